@@ -1,0 +1,101 @@
+"""Chat messages to prompt text with the model's template.
+
+Which template: a configured one (``CHAT_TEMPLATE``: jinja2 text, or the name of a
+llama.cpp built-in), else the GGUF's ``tokenizer.chat_template``, else the llama.cpp
+built-in named for the model's architecture (Gemma 3 270M ships no template: ``gemma``).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import InvalidParameter
+
+log = logging.getLogger(__name__)
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_MESSAGES = 1024
+
+
+class TemplateSource(Protocol):
+    def model_chat_template(self) -> str | None: ...
+    def builtin_template_name(self) -> str: ...
+    def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str: ...
+    def token_text(self, token: int) -> str: ...
+    @property
+    def bos_token(self) -> int: ...
+    @property
+    def eos_token(self) -> int: ...
+
+
+def parse_messages(messages: Any) -> list[tuple[str, str]]:
+    """Check an OpenAI ``messages`` list; return (role, text) pairs."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameter("messages", "must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidParameter("messages", f"at most {MAX_MESSAGES} messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidParameter(where, "must be an object with role and content")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidParameter(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        out.append((role, _content_text(message.get("content"), f"{where}.content")))
+    return out
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidParameter(where, "only text parts ({'type': 'text', 'text': ...}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidParameter(where, "must be a string or a list of text parts")
+
+
+class ChatRenderer:
+    """Renders messages for one model, ending with the assistant's turn to speak."""
+
+    def __init__(self, source: TemplateSource, configured: str = "") -> None:
+        self._source = source
+        template = configured or source.model_chat_template() or ""
+        if template and "{" not in template:
+            self.builtin, self._jinja = template, None
+        elif template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self.builtin, self._jinja = None, env.from_string(template)
+        else:
+            self.builtin, self._jinja = source.builtin_template_name(), None
+        self.kind = "jinja" if self._jinja else f"builtin:{self.builtin}"
+        log.info("chat template: %s", self.kind)
+
+    def render(self, messages: list[tuple[str, str]]) -> str:
+        """Prompt text; the tokenizer adds BOS, so a template's leading BOS is dropped."""
+        if self._jinja is None:
+            return self._source.apply_builtin_template(self.builtin, messages)
+        bos = self._source.token_text(self._source.bos_token)
+        try:
+            text = self._jinja.render(
+                messages=[{"role": r, "content": c} for r, c in messages],
+                add_generation_prompt=True,
+                bos_token=bos,
+                eos_token=self._source.token_text(self._source.eos_token),
+            )
+        except TemplateError as exc:
+            raise InvalidParameter("messages", f"the chat template refused them: {exc}") from None
+        return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)

@@ -1,0 +1,206 @@
+"""The in-process inference core: an engine, a scheduler and the thread that ticks it.
+
+Usage::
+
+    core = InferenceCore.from_settings()          # or InferenceCore(engine, SchedulerConfig())
+    core.start()
+    handle = core.submit(messages=[{"role": "user", "content": "Hi"}],
+                         params=SamplingParams(max_tokens=32), cache_scope="tenant-1")
+    for event in handle.events():                 # TokenEvent..., then one FinishedEvent
+        ...
+    core.stop()
+
+``submit`` raises ``errors.Refusal`` (queue_full, context_length_exceeded, empty_prompt,
+invalid_request_error naming the field) before anything is queued. Events of every
+request also go to ``listeners`` (the daemon's Redis transport hooks in there).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .chat import ChatRenderer, parse_messages
+from .errors import InvalidParameter, Refusal
+from .jobs import Event, FinishedEvent, Request, TickStats, TokenEvent
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole reply: the text and the final event."""
+
+    text: str
+    finished: FinishedEvent
+
+
+class RequestHandle:
+    """A submitted request: iterate its events, or wait for the whole reply."""
+
+    def __init__(self, request_id: str, core: "InferenceCore") -> None:
+        self.id = request_id
+        self._core = core
+        self._events: queue.Queue[Event] = queue.Queue()
+        self.prompt_tokens = 0
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Token events, then the FinishedEvent. ``timeout`` bounds each wait (queue.Empty)."""
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if isinstance(event, FinishedEvent):
+                return
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the end; return all text and the final event."""
+        parts = []
+        for event in self.events(timeout):
+            if isinstance(event, TokenEvent):
+                parts.append(event.text)
+            else:
+                return Completion("".join(parts), event)
+        raise AssertionError("events() ended without a FinishedEvent")  # pragma: no cover
+
+    def cancel(self) -> bool:
+        return self._core.cancel(self.id)
+
+
+class InferenceCore:
+    """Owns the scheduler loop thread; safe to call from any thread."""
+
+    def __init__(self, engine: Any, config: SchedulerConfig, chat_template: str = "",
+                 on_tick: Callable[[TickStats], None] | None = None) -> None:
+        self.engine = engine
+        self.chat = ChatRenderer(engine, chat_template)
+        self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=on_tick)
+        self.listeners: list[Callable[[Event], None]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._handles_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, **overrides: Any) -> "InferenceCore":
+        """Load the model and size everything from Django settings (keyword overrides win)."""
+        from django.conf import settings
+
+        from .engine import EngineConfig, LlamaEngine
+
+        def get(name: str) -> Any:
+            return overrides.get(name.lower(), getattr(settings, name))
+
+        engine = LlamaEngine(EngineConfig(
+            model_path=str(get("MODEL_PATH")), n_ctx=get("N_CTX"), n_batch=get("N_BATCH"),
+            n_seq_max=get("N_PARALLEL"), n_threads=get("N_THREADS") or os.cpu_count() or 1,
+        ))
+        config = SchedulerConfig(
+            chunk_size=get("CHUNK_SIZE"), max_queue=get("MAX_QUEUE"),
+            kv_block_tokens=get("KV_BLOCK_TOKENS"), cache_prompt=get("CACHE_PROMPT"),
+        )
+        return cls(engine, config, chat_template=get("CHAT_TEMPLATE") or "")
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._thread = threading.Thread(target=self._loop, name="scheduler-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop admitting, let in-flight work finish for ``grace_s``, cancel the rest, join."""
+        self.scheduler.stop_admitting()
+        deadline = time.monotonic() + grace_s
+        while self.scheduler.has_work() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.scheduler.cancel_all()
+        while self.scheduler.has_work() and self._thread and self._thread.is_alive():
+            time.sleep(0.01)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.scheduler.has_work():
+                    self.scheduler.step()
+                else:
+                    self.scheduler.wait_for_work(0.25)
+            except Exception:
+                log.exception("scheduler tick failed; failing the requests in flight")
+                self.scheduler.fail_all()
+
+    # -- requests -----------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int] | None = None, messages: Any = None,
+               params: SamplingParams | None = None, request_id: str | None = None,
+               cache_scope: str = "", session: str | None = None,
+               cache_prompt: bool | None = None) -> RequestHandle:
+        """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``)."""
+        arrival = time.monotonic()
+        self.scheduler.check_capacity()
+        tokens = self.prompt_tokens(prompt, messages)
+        request = Request(
+            id=request_id or uuid.uuid4().hex, prompt_tokens=tokens, params=params or SamplingParams(),
+            cache_scope=cache_scope, session=session, cache_prompt=cache_prompt, arrival=arrival,
+        )
+        handle = RequestHandle(request.id, self)
+        handle.prompt_tokens = len(tokens)
+        with self._handles_lock:
+            if request.id in self._handles:
+                raise Refusal("duplicate_request_id", f"request id {request.id} is already in use")
+            self._handles[request.id] = handle
+        try:
+            self.scheduler.submit(request)
+        except Refusal:
+            with self._handles_lock:
+                self._handles.pop(request.id, None)
+            raise
+        return handle
+
+    def prompt_tokens(self, prompt: str | list[int] | None, messages: Any) -> list[int]:
+        """Token ids for a prompt string, a list of token ids, or chat messages."""
+        if (prompt is None) == (messages is None):
+            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+        if messages is not None:
+            text = self.chat.render(parse_messages(messages))
+            return self._tokenize(text, "messages")
+        if isinstance(prompt, str):
+            return self._tokenize(prompt, "prompt") if prompt else []
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            if any(not 0 <= t < self.engine.n_vocab for t in prompt):
+                raise InvalidParameter("prompt", "token ids must be within the vocabulary")
+            return list(prompt)
+        raise InvalidParameter("prompt", "must be a string or a list of token ids")
+
+    def _tokenize(self, text: str, field: str) -> list[int]:
+        try:
+            return self.engine.tokenize(text)
+        except UnicodeEncodeError:
+            raise InvalidParameter(field, "is not valid UTF-8 text") from None
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; it ends with finish_reason ``cancelled``."""
+        return self.scheduler.cancel(request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.scheduler.snapshot()
+
+    def _dispatch(self, event: Event) -> None:
+        with self._handles_lock:
+            handle = self._handles.get(event.request_id)
+            if isinstance(event, FinishedEvent):
+                self._handles.pop(event.request_id, None)
+        if handle is not None:
+            handle._events.put(event)
+        for listener in self.listeners:
+            listener(event)

@@ -1,0 +1,413 @@
+"""The one door to llama.cpp: model, context, batches, KV memory, samplers, tokens.
+
+Only this module imports ``llama_cpp`` (the low-level ctypes API of llama-cpp-python
+0.3.36). Everything above it (``scheduler.py``) talks to an object with this class's
+public methods, so the policy is tested with a fake engine and no model.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
+from .errors import InvalidParameter
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("llama_cpp")
+
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line.
+# llama.cpp's "info" is a model-loading dump: it goes to DEBUG here.
+_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+
+
+class _LlamaLogSink:
+    """Collects llama.cpp's log fragments into lines for Python logging."""
+
+    def __init__(self) -> None:
+        self.level = logging.DEBUG
+        self.pending = ""
+
+    def __call__(self, level: int, text: bytes, _user_data: object) -> None:
+        if level != 5:
+            self.level = _LEVELS.get(level, logging.INFO)
+        self.pending += text.decode("utf-8", errors="replace")
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            if line.strip() and llama_log.isEnabledFor(self.level):
+                llama_log.log(self.level, line)
+
+
+# Module globals on purpose: C keeps this pointer for the life of the process, and a
+# collected ctypes callback crashes it.
+_LOG_SINK = _LlamaLogSink()
+_LOG_CALLBACK = lc.llama_log_callback(_LOG_SINK)
+
+
+def route_llama_logs() -> None:
+    """Send llama.cpp's stderr chatter through the ``llama_cpp`` Python logger."""
+    lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class EngineError(RuntimeError):
+    """The model or context could not be created, or llama.cpp failed hard."""
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """What the engine needs to load a model and size its context."""
+
+    model_path: str
+    n_ctx: int = 8192
+    n_batch: int = 2048
+    n_seq_max: int = 4
+    n_threads: int = 2
+    n_ubatch: int = 512
+
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+class _Batch:
+    """A llama_batch whose arrays are numpy buffers we own, filled by slices each tick."""
+
+    def __init__(self, capacity: int) -> None:
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        int_p = ctypes.POINTER(ctypes.c_int32)
+        self._seq_ptrs = (int_p * capacity)(
+            *(ctypes.cast(self.seq.ctypes.data + 4 * i, int_p) for i in range(capacity))
+        )
+        self.struct = lc.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(int_p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(int_p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(int_p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(int_p)),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, rows: Sequence[BatchRow], positions: np.ndarray) -> int:
+        n = 0
+        for row in rows:
+            k = len(row.tokens)
+            end = n + k
+            self.token[n:end] = row.tokens
+            self.pos[n:end] = positions[row.pos0:row.pos0 + k]
+            self.seq[n:end] = row.seq_id
+            self.logits[n:end] = 0
+            if row.logits:
+                self.logits[end - 1] = 1
+            n = end
+        self.struct.n_tokens = n
+        return n
+
+
+class LlamaEngine:
+    """One model and one context with ``n_seq_max`` sequences over a unified KV buffer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        path = Path(config.model_path)
+        if not path.is_file():
+            raise EngineError(f"model file not found: {path}")
+        route_llama_logs()
+        lc.llama_backend_init()
+        log.info("loading model %s (%.0f MB)", path, path.stat().st_size / 2**20)
+        self._model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {path}")
+        self._ctx = lc.llama_init_from_model(self._model, self._context_params(config))
+        if not self._ctx:
+            lc.llama_model_free(self._model)
+            raise EngineError("llama.cpp could not create a context (n_ctx too large for memory?)")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.model_path = str(path)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = lc.llama_n_batch(self._ctx)
+        self.n_seq_max = lc.llama_n_seq_max(self._ctx)
+        self.architecture = self._meta("general.architecture") or "unknown"
+        self._batch = _Batch(self.n_batch)
+        self._positions = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
+        self._candidates = np.zeros(self.n_vocab, _TOKEN_DATA)
+        self._candidate_ids = np.arange(self.n_vocab, dtype=np.int32)
+        self._pieces: dict[int, bytes] = {}
+        self.eog_tokens = np.array(
+            [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self._vocab, t)], np.int32
+        )
+        self.abort_requested = False
+        self._abort_callback = lc.ggml_abort_callback(lambda _data: self.abort_requested)
+        self._abort_installed = False
+        log.info(
+            "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
+            self.architecture, self.n_vocab, self.n_ctx, self.n_batch, self.n_seq_max,
+        )
+
+    @staticmethod
+    def _context_params(config: EngineConfig) -> lc.llama_context_params:
+        params = lc.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = config.n_batch
+        params.n_ubatch = min(config.n_ubatch, config.n_batch)
+        params.n_seq_max = config.n_seq_max
+        params.n_threads = config.n_threads
+        params.n_threads_batch = config.n_threads
+        params.kv_unified = True  # one KV buffer: sequences share cells, seq_cp is metadata only
+        params.swa_full = True  # Gemma 3's sliding window would otherwise forget reusable prefixes
+        params.no_perf = True
+        return params
+
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        if getattr(self, "_ctx", None):
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    # -- tokens -------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Text to token ids; special-token text (e.g. ``<start_of_turn>``) is parsed."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, True)
+        if n < 0:
+            capacity = -n
+            buf = (lc.llama_token * capacity)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, True)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a generated token stands for (control tokens render as nothing)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    # -- decoding and KV memory ---------------------------------------------------
+
+    def decode(self, rows: Sequence[BatchRow], abortable: bool = False) -> int:
+        """One ``llama_decode`` over the rows in order. 0 ok, 1 KV full, 2 aborted, <0 error.
+
+        Logits of a row with ``logits=True`` are at batch index = its offset + len - 1.
+        """
+        if abortable != self._abort_installed:
+            if abortable:
+                lc.llama_set_abort_callback(self._ctx, self._abort_callback, None)
+            else:
+                lc.llama_set_abort_callback(self._ctx, ctypes.cast(None, lc.ggml_abort_callback), None)
+            self._abort_installed = abortable
+        if self._batch.fill(rows, self._positions) == 0:
+            return DECODE_OK
+        return int(lc.llama_decode(self._ctx, self._batch.struct))
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """A zero-copy view of the logits at a batch index of the last decode."""
+        ptr = lc.llama_get_logits_ith(self._ctx, batch_index)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
+        """Drop a sequence's cells in [p0, p1); p1 = -1 means to the end."""
+        return bool(lc.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+
+    def kv_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Let ``dst`` share ``src``'s cells in [p0, p1) (metadata only under a unified KV)."""
+        lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def kv_pos_max(self, seq_id: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    # -- samplers ------------------------------------------------------------------
+
+    def new_sampler(self, params: SamplingParams) -> "LlamaSampler":
+        """A request's own sampler; raises ``InvalidParameter`` for a bad grammar or bias."""
+        return LlamaSampler(self, params)
+
+    def grammar_for(self, params: SamplingParams) -> tuple[str, str] | None:
+        """(field, GBNF) for a request's grammar or JSON schema, if it has one."""
+        if params.grammar is not None:
+            return "grammar", params.grammar
+        if params.json_schema is not None:
+            try:
+                return "json_schema", json_schema_to_gbnf(params.json_schema)
+            except Exception as exc:  # the converter raises bare exceptions on schemas it cannot express
+                raise InvalidParameter("json_schema", f"cannot be turned into a grammar: {exc}") from None
+        return None
+
+    # -- chat templates ------------------------------------------------------------
+
+    def model_chat_template(self) -> str | None:
+        """The GGUF's ``tokenizer.chat_template`` (jinja2), if the file has one."""
+        raw = lc.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8") if raw else None
+
+    def builtin_template_name(self) -> str:
+        """The llama.cpp built-in template for this architecture (``gemma3`` -> ``gemma``)."""
+        names = self._builtin_templates()
+        arch = self.architecture
+        for candidate in (arch, arch.rstrip("0123456789.")):
+            if candidate in names:
+                return candidate
+        return "chatml"
+
+    def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
+        """Render (role, content) pairs with a llama.cpp built-in template, ending with the assistant prompt."""
+        encoded = [(r.encode(), c.encode()) for r, c in messages]
+        chat = (lc.llama_chat_message * len(encoded))(
+            *(lc.llama_chat_message(role=r, content=c) for r, c in encoded)
+        )
+        size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_chat_apply_template(name.encode(), chat, len(encoded), True, buf, size)
+            if n < 0:
+                raise EngineError(f"llama.cpp has no built-in chat template {name!r}")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise EngineError("chat template output kept growing")
+
+    def token_text(self, token: int) -> str:
+        """A vocabulary entry's text (for BOS/EOS in jinja templates)."""
+        raw = lc.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    @property
+    def bos_token(self) -> int:
+        return int(lc.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(lc.llama_vocab_eos(self._vocab))
+
+    def _builtin_templates(self) -> set[str]:
+        count = lc.llama_chat_builtin_templates(None, 0)
+        out = (ctypes.c_char_p * count)()
+        lc.llama_chat_builtin_templates(out, count)
+        return {name.decode() for name in out if name}
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+
+class LlamaSampler:
+    """A request's own sampler chain (its RNG, penalties and grammar belong to it alone).
+
+    Greedy requests without penalties or grammar take a numpy argmax over the logits row:
+    ``llama_sampler_sample`` copies all 262k candidates per token, argmax does not.
+    """
+
+    def __init__(self, engine: LlamaEngine, params: SamplingParams) -> None:
+        self._engine = engine
+        self._chain = None
+        self.seed = params.seed if params.seed is not None else random.getrandbits(32) % (2**32 - 1)
+        bias = dict(params.logit_bias)
+        for token in bias:
+            if token >= engine.n_vocab:
+                raise InvalidParameter("logit_bias", f"token id {token} is outside the vocabulary")
+        if params.ignore_eos:
+            bias.update((int(t), float("-inf")) for t in engine.eog_tokens)
+        self._bias_ids = np.array(list(bias), np.int64)
+        self._bias_values = np.array(list(bias.values()), np.float32)
+        grammar = engine.grammar_for(params)
+        if params.is_greedy and not params.uses_penalties and grammar is None:
+            return
+        self._chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        try:
+            self._build_chain(params, bias, grammar)
+        except Exception:
+            self.close()
+            raise
+
+    def _add(self, sampler: object) -> None:
+        lc.llama_sampler_chain_add(self._chain, sampler)
+
+    def _build_chain(self, params: SamplingParams, bias: dict[int, float], grammar: tuple[str, str] | None) -> None:
+        n_vocab = self._engine.n_vocab
+        if bias:
+            entries = (lc.llama_logit_bias * len(bias))(
+                *(lc.llama_logit_bias(token=t, bias=b) for t, b in bias.items())
+            )
+            self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(bias), entries))
+        if params.uses_penalties:
+            self._add(lc.llama_sampler_init_penalties(
+                n_vocab, params.penalty_last_n, params.repeat_penalty,
+                params.frequency_penalty, params.presence_penalty,
+            ))
+        if grammar is not None:
+            field, gbnf = grammar
+            sampler = lc.llama_sampler_init_grammar(self._engine._vocab, gbnf.encode(), b"root")
+            if not sampler:
+                raise InvalidParameter(field, "the grammar could not be parsed")
+            self._add(sampler)
+        if params.is_greedy:
+            self._add(lc.llama_sampler_init_greedy())
+            return
+        self._add(lc.llama_sampler_init_top_k(params.top_k))
+        self._add(lc.llama_sampler_init_top_p(params.top_p, 1))
+        self._add(lc.llama_sampler_init_min_p(params.min_p, 1))
+        self._add(lc.llama_sampler_init_temp(params.temperature))
+        self._add(lc.llama_sampler_init_dist(self.seed))
+
+    def sample(self, batch_index: int) -> int:
+        """Pick the next token from the last decode's logits at ``batch_index``."""
+        return self.sample_logits(self._engine.logits_row(batch_index))
+
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """Pick a token from a logits vector and advance this sampler's state."""
+        if self._chain is None:
+            if self._bias_ids.size:
+                logits = logits.copy()
+                logits[self._bias_ids] += self._bias_values
+            return int(np.argmax(logits))
+        cand = self._engine._candidates
+        cand["id"] = self._engine._candidate_ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = lc.llama_token_data_array(
+            data=cand.ctypes.data_as(lc.llama_token_data_p), size=cand.size, selected=-1, sorted=False
+        )
+        lc.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise EngineError("sampler selected no token (grammar allows nothing here?)")
+        token = int(arr.data[arr.selected].id)
+        lc.llama_sampler_accept(self._chain, token)
+        return token
+
+    def close(self) -> None:
+        """Free the C sampler chain (idempotent)."""
+        if self._chain is not None:
+            lc.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+__all__ = [
+    "BatchRow", "DECODE_ABORTED", "DECODE_KV_FULL", "DECODE_OK", "EngineConfig",
+    "EngineError", "LlamaEngine", "LlamaSampler", "route_llama_logs",
+]

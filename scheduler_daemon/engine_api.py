@@ -1,0 +1,20 @@
+"""The shapes shared by the engine and the scheduler, without importing llama_cpp."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# llama_decode's own return codes, named.
+DECODE_OK = 0
+DECODE_KV_FULL = 1  # no room in the KV cache for this batch: nothing was computed
+DECODE_ABORTED = 2  # the abort callback stopped it: finished micro-batches stay in the KV cache
+
+
+@dataclass(slots=True)
+class BatchRow:
+    """Tokens of one sequence in one decode call; logits only for its last token if asked."""
+
+    seq_id: int
+    tokens: Sequence[int]
+    pos0: int
+    logits: bool

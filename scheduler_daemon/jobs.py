@@ -1,0 +1,155 @@
+"""The records the scheduler keeps and the events it emits.
+
+``Job`` is a request inside the scheduler, ``Slot`` one llama.cpp sequence. Requests are
+always found by id (``Scheduler._jobs``), never by their position in a batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, Protocol
+
+from .sampling import SamplingParams
+from .textstream import TextStream
+
+
+class Status(IntEnum):
+    """Where a request is. Everything from FINISHED_STOPPED on is finished (vLLM v1 style)."""
+
+    WAITING = 0  # in the FIFO queue, holding no slot and no KV blocks
+    PREFILLING = 1  # in a slot; its prompt goes into the KV cache a chunk per tick
+    GENERATING = 2  # one new token per tick
+    FINISHED_STOPPED = 10  # end-of-generation token or a stop string
+    FINISHED_LENGTH = 11  # max_tokens reached
+    FINISHED_CANCELLED = 12  # cancelled by the client, an operator or shutdown
+    FINISHED_ERROR = 13  # failed (context_full, engine error)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= Status.FINISHED_STOPPED
+
+
+FINISH_REASON = {
+    Status.FINISHED_STOPPED: "stop",
+    Status.FINISHED_LENGTH: "length",
+    Status.FINISHED_CANCELLED: "cancelled",
+    Status.FINISHED_ERROR: "error",
+}
+
+
+class SlotState(str, Enum):
+    """What a slot (one llama.cpp sequence id) is doing."""
+
+    IDLE = "idle"  # free; its KV may still hold a cached prefix of its scope
+    PREFILLING = "prefilling"  # evaluating a prompt
+    GENERATING = "generating"  # sampling a token per tick
+
+
+class Sampler(Protocol):
+    """A request's own token picker (``engine.LlamaSampler`` or a test fake)."""
+
+    seed: int
+
+    def sample(self, batch_index: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Request:
+    """What a caller submits: token ids already made from the prompt or chat."""
+
+    id: str
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    cache_scope: str = ""
+    session: str | None = None
+    cache_prompt: bool | None = None  # None: the scheduler's default
+    arrival: float | None = None  # monotonic seconds; None: when submitted
+
+
+@dataclass(slots=True)
+class Job:
+    """A request inside the scheduler."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sampler: Sampler
+    cache_scope: str
+    cache_prompt: bool
+    session: str | None
+    arrival: float
+    blocks: int
+    text: TextStream
+    status: Status = Status.WAITING
+    slot: "Slot | None" = None
+    output: list[int] = field(default_factory=list)
+    unsent_tokens: int = 0  # tokens generated since the last TokenEvent
+    cached_tokens: int = 0
+    t_started: float | None = None
+    t_first_token: float | None = None
+
+
+@dataclass(slots=True)
+class Slot:
+    """One llama.cpp sequence. ``tokens`` is exactly what its KV cells hold, in order."""
+
+    seq_id: int
+    state: SlotState = SlotState.IDLE
+    job: Job | None = None
+    tokens: list[int] = field(default_factory=list)
+    scope: str | None = None
+    last_used: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class RequestStats:
+    """Per-request numbers reported when it ends (no text)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_ms: float | None
+    ttft_ms: float | None
+    duration_ms: float
+    prompt_eval_rate: float | None  # prompt tokens evaluated per second (cached ones excluded)
+    generation_rate: float | None  # generated tokens per second after the first
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """New text for a request; ``n_tokens`` tokens were generated since the previous one."""
+
+    request_id: str
+    text: str
+    n_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class FinishedEvent:
+    """The last event of every admitted request."""
+
+    request_id: str
+    finish_reason: str  # stop | length | cancelled | error
+    stats: RequestStats
+    stop: str | None = None  # the stop string that ended it, if one did
+    error: dict[str, Any] | None = None  # {"code", "message"} when finish_reason == "error"
+
+
+@dataclass(slots=True, frozen=True)
+class TickStats:
+    """What one tick did."""
+
+    tick: int
+    batch_tokens: int
+    decode_tokens: int
+    prefill_tokens: int
+    active_slots: int
+    queue_depth: int
+    eval_ms: float
+    kv_retries: int
+
+
+Event = TokenEvent | FinishedEvent

@@ -1,0 +1,510 @@
+"""Continuous-batching policy over an engine: admission, slots, each tick's batch, finishing.
+
+Pure Python: it drives any object with the engine's methods (``engine.LlamaEngine`` in
+production, a fake in the policy tests). One thread calls ``step()`` in a loop; other
+threads may call ``submit``, ``cancel`` and ``snapshot`` at any time. Cancels take effect at
+the next tick boundary; a long prefill in flight is cut short through the engine's abort
+flag and rolled back, never changed from another thread mid-decode.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import errors
+from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
+from .errors import Refusal
+from .jobs import (
+    FINISH_REASON, Event, FinishedEvent, Job, Request, RequestStats, Sampler, Slot, SlotState,
+    Status, TickStats, TokenEvent,
+)
+from .sampling import SamplingParams
+from .textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What the scheduler needs from an engine."""
+
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    abort_requested: bool
+
+    def decode(self, rows: list[BatchRow], abortable: bool = False) -> int: ...
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool: ...
+    def new_sampler(self, params: SamplingParams) -> Sampler: ...
+    def token_bytes(self, token: int) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """Policy knobs (settings: CHUNK_SIZE, MAX_QUEUE, KV_BLOCK_TOKENS, CACHE_PROMPT...)."""
+
+    chunk_size: int = 512
+    max_queue: int = 64
+    kv_block_tokens: int = 256
+    kv_budget_tokens: int | None = None  # blocks to hand out, in tokens; None: the engine's n_ctx
+    default_max_tokens: int = 512
+    cache_prompt: bool = True
+    abort_min_tokens: int = 64  # batches this large can be aborted mid-decode by a cancel
+
+
+@dataclass(slots=True)
+class _Planned:
+    slot: Slot
+    job: Job
+    row: BatchRow
+
+
+class Scheduler:
+    """Admission, slot choice and batching for one engine context."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig,
+        on_event: Callable[[Event], None],
+        on_tick: Callable[[TickStats], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self._emit = on_event
+        self._on_tick = on_tick
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._work = threading.Event()
+        self._slots = [Slot(seq_id=i) for i in range(engine.n_seq_max)]
+        self._waiting: deque[Job] = deque()
+        self._jobs: dict[str, Job] = {}
+        self._cancels: set[str] = set()
+        self._in_flight: set[str] = set()
+        budget = config.kv_budget_tokens or engine.n_ctx
+        self._total_blocks = budget // config.kv_block_tokens
+        self._used_blocks = 0
+        self.max_request_tokens = min(engine.n_ctx, self._total_blocks * config.kv_block_tokens)
+        self._rr_next = 0
+        self._tick = 0
+        self._admitting = True
+        self.counters: Counter[str] = Counter()
+        for slot in self._slots:  # a new scheduler owns the context: start from empty sequences
+            engine.kv_remove(slot.seq_id, 0, -1)
+
+    # -- called from any thread ---------------------------------------------------
+
+    def check_capacity(self) -> None:
+        """Refuse at once (before any tokenizing) when the queue is full or closed."""
+        with self._lock:
+            if not self._admitting:
+                raise Refusal(errors.SHUTTING_DOWN, "the scheduler is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                self.counters["refused_queue_full"] += 1
+                raise Refusal(
+                    errors.QUEUE_FULL, f"the queue is full ({self.config.max_queue} waiting)",
+                    max_queue=self.config.max_queue,
+                )
+
+    def submit(self, request: Request) -> None:
+        """Queue a request or raise ``Refusal``. Its events go to ``on_event``."""
+        self.check_capacity()
+        n_prompt = len(request.prompt_tokens)
+        if n_prompt == 0:
+            raise Refusal(errors.EMPTY_PROMPT, "the prompt is empty", param="prompt")
+        max_tokens = self._max_tokens_for(request.params, n_prompt)
+        sampler = self.engine.new_sampler(request.params)
+        job = Job(
+            id=request.id,
+            prompt=list(request.prompt_tokens),
+            params=request.params,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            cache_scope=request.cache_scope,
+            cache_prompt=self.config.cache_prompt if request.cache_prompt is None else request.cache_prompt,
+            session=request.session,
+            arrival=request.arrival if request.arrival is not None else self._clock(),
+            blocks=math.ceil((n_prompt + max_tokens) / self.config.kv_block_tokens),
+            text=TextStream(request.params.stop),
+        )
+        try:
+            with self._lock:
+                if request.id in self._jobs:
+                    raise Refusal(errors.DUPLICATE_ID, f"request id {request.id} is already in use")
+                self.check_capacity()
+                self._jobs[job.id] = job
+                self._waiting.append(job)
+                self.counters["submitted"] += 1
+        except Refusal:
+            sampler.close()
+            raise
+        self._work.set()
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask for a request to end with ``cancelled`` at the next tick. False if unknown."""
+        with self._lock:
+            if request_id not in self._jobs:
+                return False
+            self._cancels.add(request_id)
+            if request_id in self._in_flight:
+                self.engine.abort_requested = True
+        self._work.set()
+        return True
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (drain)."""
+        with self._lock:
+            self._admitting = False
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running request."""
+        with self._lock:
+            for request_id in list(self._jobs):
+                self.cancel(request_id)
+
+    def fail_all(self, code: str = errors.ENGINE_ERROR, message: str = "the scheduler failed") -> None:
+        """End every request with an error (after a bug in a tick; never leave callers hanging)."""
+        with self._lock:
+            self._cancels.clear()
+            for job in list(self._jobs.values()):
+                if job.slot is not None:
+                    self.engine.kv_remove(job.slot.seq_id, 0, -1)
+                    job.slot.tokens.clear()
+                self._finish(job, Status.FINISHED_ERROR, {"code": code, "message": message})
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._jobs or self._cancels)
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block the loop thread until something is submitted or cancelled."""
+        if self._work.wait(timeout):
+            self._work.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Slots, queue and counters as plain data. Never any prompt or output text."""
+        now = self._clock()
+        with self._lock:
+            return {
+                "slots": [self._slot_info(s) for s in self._slots],
+                "queue": [
+                    {
+                        "request_id": j.id, "cache_scope": j.cache_scope,
+                        "prompt_tokens": len(j.prompt), "max_tokens": j.max_tokens,
+                        "age_ms": round((now - j.arrival) * 1000, 1),
+                    }
+                    for j in self._waiting
+                ],
+                "kv": {
+                    "block_tokens": self.config.kv_block_tokens,
+                    "blocks_total": self._total_blocks,
+                    "blocks_used": self._used_blocks,
+                    "n_ctx": self.engine.n_ctx,
+                },
+                "admitting": self._admitting,
+                "counters": dict(self.counters),
+            }
+
+    # -- the loop thread ----------------------------------------------------------
+
+    def step(self) -> TickStats | None:
+        """One tick: apply cancels, admit, one decode over every active slot, sample."""
+        t0 = self._clock()
+        with self._lock:
+            self.engine.abort_requested = False
+            self._apply_cancels()
+            self._admit()
+        cap = self.engine.n_batch
+        retries = 0
+        purged = False
+        while True:
+            with self._lock:
+                plan = self._plan(cap)
+                self._in_flight = {p.job.id for p in plan}
+                if self._cancels & self._in_flight:
+                    self._in_flight = set()
+                    return None  # a cancel arrived since the tick began: apply it first
+            if not plan:
+                return None
+            rows = [p.row for p in plan]
+            n_tokens = sum(len(r.tokens) for r in rows)
+            t_decode = self._clock()
+            rc = self.engine.decode(rows, abortable=n_tokens >= self.config.abort_min_tokens)
+            eval_ms = (self._clock() - t_decode) * 1000
+            with self._lock:
+                self._in_flight = set()
+                if rc == DECODE_OK:
+                    break
+                if rc == DECODE_ABORTED:
+                    self.counters["aborted_decodes"] += 1
+                    self._rollback(plan)
+                    return None
+                if rc != DECODE_KV_FULL:
+                    self._fail_plan(plan, rc)
+                    return None
+                retries += 1
+                self.counters["kv_pressure"] += 1
+                if not purged and self._purge_idle():
+                    purged = True
+                    continue
+                if n_tokens > 1:
+                    cap = max(1, n_tokens // 2)
+                    log.info("KV cache full: retrying with a batch of %d tokens", cap)
+                    continue
+                self._fail_largest()
+                return None
+        with self._lock:
+            stats = self._after_decode(plan, rows, n_tokens, eval_ms, retries)
+        log.debug("tick %s (%.1f ms)", stats, (self._clock() - t0) * 1000)
+        if self._on_tick is not None:
+            self._on_tick(stats)
+        return stats
+
+    # -- policy pieces (lock held) ------------------------------------------------
+
+    def _max_tokens_for(self, params: SamplingParams, n_prompt: int) -> int:
+        limit = self.max_request_tokens
+        room = limit - n_prompt
+        wanted = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        if room < 1 or n_prompt + wanted > limit:
+            self.counters["refused_context_length"] += 1
+            raise Refusal(
+                errors.CONTEXT_LENGTH_EXCEEDED,
+                f"this request needs {n_prompt} prompt tokens + {wanted} max_tokens = "
+                f"{n_prompt + wanted} tokens, more than the limit of {limit}",
+                param="max_tokens" if room >= 1 else "prompt",
+                prompt_tokens=n_prompt, max_tokens=wanted, limit=limit,
+            )
+        return wanted
+
+    def _apply_cancels(self) -> None:
+        for request_id in self._cancels:
+            job = self._jobs.get(request_id)
+            if job is not None:
+                self._finish(job, Status.FINISHED_CANCELLED)
+        self._cancels.clear()
+
+    def _admit(self) -> None:
+        """Strict FIFO: the head waits for blocks and a slot; nobody overtakes it."""
+        while self._waiting:
+            job = self._waiting[0]
+            if self._used_blocks + job.blocks > self._total_blocks:
+                return
+            slot = self._choose_slot(job)
+            if slot is None:
+                return
+            self._waiting.popleft()
+            self._assign(job, slot)
+
+    def _choose_slot(self, job: Job) -> Slot | None:
+        """Longest same-scope cached prefix if it covers >10% of the prompt, else LRU."""
+        free = [s for s in self._slots if s.state is SlotState.IDLE]
+        if not free:
+            return None
+        if job.cache_prompt:
+            scoped = [s for s in free if s.scope == job.cache_scope and s.tokens]
+            if scoped:
+                best = max(scoped, key=lambda s: common_prefix_len(s.tokens, job.prompt))
+                if common_prefix_len(best.tokens, job.prompt) > 0.1 * len(job.prompt):
+                    return best
+        return min(free, key=lambda s: s.last_used)
+
+    def _assign(self, job: Job, slot: Slot) -> None:
+        keep = 0
+        if job.cache_prompt and slot.scope == job.cache_scope:
+            # always leave the last prompt token to evaluate, so there are logits to sample
+            keep = min(common_prefix_len(slot.tokens, job.prompt), len(job.prompt) - 1)
+        if keep < len(slot.tokens):
+            if not self.engine.kv_remove(slot.seq_id, keep, -1):
+                self.engine.kv_remove(slot.seq_id, 0, -1)
+                keep = 0
+            del slot.tokens[keep:]
+        slot.scope, slot.job, slot.state = job.cache_scope, job, SlotState.PREFILLING
+        job.slot, job.status, job.cached_tokens = slot, Status.PREFILLING, keep
+        job.t_started = self._clock()
+        self._used_blocks += job.blocks
+
+    def _plan(self, cap: int) -> list[_Planned]:
+        """Decode rows first, then prefill chunks round-robin, within ``cap`` tokens."""
+        plan: list[_Planned] = []
+        used = 0
+        for slot in self._slots:
+            if slot.state is SlotState.GENERATING and used < cap:
+                job = slot.job
+                plan.append(_Planned(slot, job, BatchRow(slot.seq_id, (job.output[-1],), len(slot.tokens), True)))
+                used += 1
+        n = len(self._slots)
+        prefilling = sorted(
+            (s for s in self._slots if s.state is SlotState.PREFILLING),
+            key=lambda s: (s.seq_id - self._rr_next) % n,
+        )
+        if prefilling:
+            self._rr_next = (prefilling[0].seq_id + 1) % n
+        for slot in prefilling:
+            room = cap - used
+            if room <= 0:
+                break
+            job = slot.job
+            done = len(slot.tokens)
+            take = min(self.config.chunk_size, room, len(job.prompt) - done)
+            last = done + take == len(job.prompt)
+            plan.append(_Planned(slot, job, BatchRow(slot.seq_id, job.prompt[done:done + take], done, last)))
+            used += take
+        return plan
+
+    def _after_decode(self, plan: list[_Planned], rows: list[BatchRow], n_tokens: int,
+                      eval_ms: float, retries: int) -> TickStats:
+        now = self._clock()
+        offset = 0
+        decode_tokens = 0
+        for p in plan:
+            offset += len(p.row.tokens)
+            p.slot.tokens.extend(p.row.tokens)
+            if p.job.status is Status.GENERATING:
+                decode_tokens += 1
+            if p.row.logits:
+                self._on_token(p.job, p.job.sampler.sample(offset - 1), now)
+        self._tick += 1
+        self.counters["ticks"] += 1
+        return TickStats(
+            tick=self._tick, batch_tokens=n_tokens, decode_tokens=decode_tokens,
+            prefill_tokens=n_tokens - decode_tokens,
+            active_slots=sum(s.state is not SlotState.IDLE for s in self._slots),
+            queue_depth=len(self._waiting), eval_ms=round(eval_ms, 3), kv_retries=retries,
+        )
+
+    def _on_token(self, job: Job, token: int, now: float) -> None:
+        if job.t_first_token is None:
+            job.t_first_token = now
+            job.status = Status.GENERATING
+            job.slot.state = SlotState.GENERATING
+        if not job.params.ignore_eos and self.engine.is_eog(token):
+            self._finish(job, Status.FINISHED_STOPPED)
+            return
+        job.output.append(token)
+        job.unsent_tokens += 1
+        text = job.text.feed(self.engine.token_bytes(token))
+        if text:
+            self._emit(TokenEvent(job.id, text, job.unsent_tokens))
+            job.unsent_tokens = 0
+        if job.text.stopped_by is not None:
+            self._finish(job, Status.FINISHED_STOPPED)
+        elif len(job.output) >= job.max_tokens:
+            self._finish(job, Status.FINISHED_LENGTH)
+
+    def _finish(self, job: Job, status: Status, error: dict[str, Any] | None = None) -> None:
+        """End a request wherever it is: free its slot and blocks, send the tail and the end."""
+        now = self._clock()
+        job.status = status
+        if job.slot is not None:
+            self._release(job.slot, keep_cache=job.cache_prompt and error is None)
+            self._used_blocks -= job.blocks
+        else:
+            self._waiting.remove(job)
+        tail = job.text.flush()
+        if tail or job.unsent_tokens:
+            self._emit(TokenEvent(job.id, tail, job.unsent_tokens))
+        job.sampler.close()
+        del self._jobs[job.id]
+        stats = self._stats(job, now)
+        reason = FINISH_REASON[status]
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["prompt_tokens"] += stats.prompt_tokens
+        self.counters["cached_tokens"] += stats.cached_tokens
+        self.counters["completion_tokens"] += stats.completion_tokens
+        log.info("request %s finished: %s %s", job.id, reason, stats)
+        self._emit(FinishedEvent(job.id, reason, stats, stop=job.text.stopped_by, error=error))
+
+    def _release(self, slot: Slot, keep_cache: bool) -> None:
+        slot.job, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
+        if not keep_cache:
+            self.engine.kv_remove(slot.seq_id, 0, -1)
+            slot.tokens.clear()
+            slot.scope = None
+
+    def _stats(self, job: Job, now: float) -> RequestStats:
+        first, started = job.t_first_token, job.t_started
+        evaluated = len(job.prompt) - job.cached_tokens
+        prefill_s = first - started if first is not None and started is not None else 0.0
+        gen_s = now - first if first is not None else 0.0
+        return RequestStats(
+            prompt_tokens=len(job.prompt),
+            cached_tokens=job.cached_tokens,
+            completion_tokens=len(job.output),
+            queue_ms=_ms(started - job.arrival) if started is not None else None,
+            ttft_ms=_ms(first - job.arrival) if first is not None else None,
+            duration_ms=_ms(now - job.arrival),
+            prompt_eval_rate=round(evaluated / prefill_s, 1) if prefill_s > 0 else None,
+            generation_rate=round((len(job.output) - 1) / gen_s, 1) if gen_s > 0 and len(job.output) > 1 else None,
+        )
+
+    def _rollback(self, plan: list[_Planned]) -> None:
+        """After an aborted decode: drop whatever part of this tick reached the KV cache."""
+        for p in plan:
+            self.engine.kv_remove(p.slot.seq_id, p.row.pos0, -1)
+
+    def _purge_idle(self) -> bool:
+        """KV pressure, first remedy: forget idle slots' cached prefixes."""
+        purged = False
+        for slot in self._slots:
+            if slot.state is SlotState.IDLE and slot.tokens:
+                self.engine.kv_remove(slot.seq_id, 0, -1)
+                slot.tokens.clear()
+                slot.scope = None
+                purged = True
+        if purged:
+            log.info("KV cache full: dropped idle slots' cached prefixes")
+        return purged
+
+    def _fail_largest(self) -> None:
+        """KV pressure, last remedy: a single token does not fit, so the biggest sequence goes."""
+        active = [s for s in self._slots if s.job is not None]
+        victim = max(active, key=lambda s: len(s.tokens))
+        log.warning("KV cache full: failing request %s (%d tokens in KV)", victim.job.id, len(victim.tokens))
+        self._finish(victim.job, Status.FINISHED_ERROR, {
+            "code": errors.CONTEXT_FULL,
+            "message": "the KV cache is full and this request cannot continue; retry later or shorten it",
+        })
+
+    def _fail_plan(self, plan: list[_Planned], rc: int) -> None:
+        log.error("llama_decode failed with %d; failing the %d requests in the batch", rc, len(plan))
+        self._rollback(plan)
+        for p in plan:
+            if p.job.id in self._jobs:
+                self._finish(p.job, Status.FINISHED_ERROR, {
+                    "code": errors.ENGINE_ERROR, "message": f"llama_decode failed ({rc})",
+                })
+
+    @staticmethod
+    def _slot_info(slot: Slot) -> dict[str, Any]:
+        job = slot.job
+        return {
+            "id": slot.seq_id,
+            "state": slot.state.value,
+            "request_id": job.id if job else None,
+            "cache_scope": slot.scope,
+            "kv_tokens": len(slot.tokens),
+            "prompt_tokens": len(job.prompt) if job else 0,
+            "cached_tokens": job.cached_tokens if job else 0,
+            "generated_tokens": len(job.output) if job else 0,
+        }
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
