@@ -222,7 +222,7 @@ def test_cancel_during_a_long_decode_aborts_and_rolls_back(harness):
     h = harness(engine, chunk_size=512, abort_min_tokens=64)
     h.scheduler.submit(req("other", 4, max_tokens=50, seed=1))
     h.scheduler.step()
-    kv_before = dict(engine.cells)
+    kv_before = {seq: n for seq, n in engine.cells.items() if n}
     h.scheduler.submit(req("long", 300))
     engine.on_decode = lambda rows: h.scheduler.cancel("long") if any(r.seq_id == 1 for r in rows) else None
     h.scheduler.step()  # aborted mid-decode

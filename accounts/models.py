@@ -1,0 +1,105 @@
+import hashlib
+import hmac
+import secrets
+import string
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+KEY_START = "sk-"
+PREFIX_LENGTH = 10
+# last_used_at is a hint, not an audit log: write it at most this often per key.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+_PREFIX_ALPHABET = string.ascii_letters + string.digits
+
+
+def secret_digest(secret: str) -> str:
+    """HMAC-SHA256 of a key's secret part, keyed with SECRET_KEY (hex)."""
+    return hmac.new(settings.SECRET_KEY.encode(), secret.encode(), hashlib.sha256).hexdigest()
+
+
+def split_key(raw: str) -> tuple[str, str] | None:
+    """`sk-<prefix>.<secret>` -> (prefix, secret), or None when it is not shaped so."""
+    if not raw.startswith(KEY_START):
+        return None
+    prefix, dot, secret = raw[len(KEY_START) :].partition(".")
+    if not dot or len(prefix) != PREFIX_LENGTH or not secret:
+        return None
+    return prefix, secret
+
+
+class Tenant(models.Model):
+    """A customer: owns API keys, request history, and its own prompt cache scope."""
+
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=64, unique=True)
+    is_active = models.BooleanField(default=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def usable(self) -> "ApiKeyQuerySet":
+        """Keys that authenticate: not revoked, tenant active."""
+        return self.filter(revoked_at__isnull=True, tenant__is_active=True)
+
+
+class ApiKey(models.Model):
+    """`sk-<prefix>.<secret>`: the prefix is stored for lookup, the secret only as a digest."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, default="default")
+    prefix = models.CharField(max_length=PREFIX_LENGTH, unique=True, editable=False)
+    digest = models.CharField(max_length=64, editable=False)
+    created = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{KEY_START}{self.prefix}… ({self.name})"
+
+    @classmethod
+    def issue(cls, tenant: Tenant, name: str = "default") -> tuple["ApiKey", str]:
+        """Create a key; returns it with its plaintext, which is never stored."""
+        api_key = cls(tenant=tenant, name=name)
+        plaintext = api_key.assign_secret()
+        api_key.save()
+        return api_key, plaintext
+
+    def assign_secret(self) -> str:
+        """Give an unsaved key a fresh prefix and secret; returns the plaintext key."""
+        self.prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LENGTH))
+        secret = secrets.token_urlsafe(32)
+        self.digest = secret_digest(secret)
+        return f"{KEY_START}{self.prefix}.{secret}"
+
+    def matches(self, secret: str) -> bool:
+        return hmac.compare_digest(self.digest, secret_digest(secret))
+
+    @property
+    def is_usable(self) -> bool:
+        return self.revoked_at is None and self.tenant.is_active
+
+    def revoke(self) -> None:
+        self.revoked_at = timezone.now()
+        self.save(update_fields=["revoked_at"])
+
+    def touch(self) -> None:
+        """Record use, writing at most once per LAST_USED_RESOLUTION."""
+        now = timezone.now()
+        if self.last_used_at is None or now - self.last_used_at >= LAST_USED_RESOLUTION:
+            ApiKey.objects.filter(pk=self.pk).update(last_used_at=now)
+            self.last_used_at = now

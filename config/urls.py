@@ -1,0 +1,16 @@
+from django.contrib import admin
+from django.urls import include, path, re_path
+from django.views.generic import RedirectView
+
+from config import errors
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="playground", permanent=False)),
+    path("admin/", admin.site.urls),
+    path("", include("inference.urls")),
+    # Unknown /v1/ URLs answer in the API's error shape, DEBUG or not.
+    re_path(r"^v1/", errors.not_found),
+]
+
+handler404 = errors.not_found
+handler500 = errors.server_error

