@@ -81,8 +81,9 @@ class InferenceCore:
                  on_tick: Callable[[TickStats], None] | None = None) -> None:
         self.engine = engine
         self.chat = ChatRenderer(engine, chat_template)
-        self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=on_tick)
+        self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
         self.listeners: list[Callable[[Event], None]] = []
+        self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
         self._handles: dict[str, RequestHandle] = {}
         self._handles_lock = threading.Lock()
         self._stop = threading.Event()
@@ -194,6 +195,10 @@ class InferenceCore:
 
     def snapshot(self) -> dict[str, Any]:
         return self.scheduler.snapshot()
+
+    def _tick(self, stats: TickStats) -> None:
+        for listener in self.tick_listeners:
+            listener(stats)
 
     def _dispatch(self, event: Event) -> None:
         with self._handles_lock:

@@ -1,0 +1,62 @@
+"""``manage.py run_scheduler``: load the model and serve its jobs from Redis until told to stop.
+
+SIGTERM or SIGINT: stop taking jobs, let in-flight requests finish for ``--grace`` seconds,
+cancel what is left (clients get ``cancelled`` with the text so far), exit 0.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.transport import DaemonTransport
+
+log = logging.getLogger("scheduler_daemon.run")
+
+CONFIG_SETTINGS = ("N_PARALLEL", "N_CTX", "N_BATCH", "CHUNK_SIZE", "MAX_QUEUE", "N_THREADS",
+                   "KV_BLOCK_TOKENS", "CACHE_PROMPT", "PROMPT_CACHE_RAM_MB")
+
+
+class Command(BaseCommand):
+    help = "Run the scheduler daemon for MODEL_PATH, serving jobs for MODEL_NAME from REDIS_URL."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--grace", type=float, default=30.0,
+                            help="seconds in-flight requests may take to finish on shutdown")
+        parser.add_argument("--daemon-id", default=None, help="consumer name (default host-pid-random)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: stop.set())
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10, health_check_interval=30)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise CommandError(f"Redis does not answer at {settings.REDIS_URL}: {exc}") from None
+        t0 = time.monotonic()
+        log.info("loading %s (model name %r) ...", settings.MODEL_PATH, settings.MODEL_NAME)
+        core = InferenceCore.from_settings()
+        log.info("model loaded in %.1f s", time.monotonic() - t0)
+        transport = DaemonTransport(
+            core, client, settings.MODEL_NAME, daemon_id=options["daemon_id"],
+            config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
+        )
+        core.start()
+        transport.start()
+        self.stdout.write(f"scheduler daemon {transport.daemon_id} ready", ending="\n")
+        self.stdout.flush()
+        while not stop.wait(0.5):
+            if not transport.healthy:
+                log.error("a transport thread died; shutting down")
+                break
+        log.info("shutting down: finishing in-flight requests (grace %.0f s)", options["grace"])
+        transport.stop(options["grace"])
+        core.engine.close()

@@ -1,0 +1,143 @@
+"""The Redis wire between the web processes and the scheduler daemons.
+
+Every key name and message shape lives here; both sides import this module and no other
+module spells a key. Nothing here imports llama_cpp or Django.
+
+Jobs      ``llm:jobs:<model>``       Stream, consumer group ``daemons``; field ``job`` = JSON
+                                     (``Job``). One daemon gets each job; it XACKs the entry
+                                     after writing the job's terminal event.
+Events    ``llm:events:<request>``   Stream per request; fields ``type`` and ``data`` (JSON).
+                                     Types: accepted, token, done, error. Entry ids are the
+                                     SSE event ids (resume with XREAD after the last one seen).
+                                     Expires EVENTS_TTL_S after acceptance and
+                                     EVENTS_TTL_AFTER_END_S after the terminal event.
+Cancel    ``llm:cancelled:<request>`` flag with a TTL (durable: checked before a job starts)
+          ``llm:cancel``             pub/sub channel of request ids (fast: aborts in-flight work)
+Daemons   ``llm:daemons``            sorted set: daemon id -> last heartbeat (unix seconds)
+          ``llm:daemon:<id>``        the daemon's snapshot JSON, expiring HEARTBEAT_TTL_S after
+                                     its last heartbeat: a missing key means a dead daemon
+Control   ``llm:control:<id>``       Stream of operator commands for one daemon (admin actions)
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PREFIX = "llm"
+JOBS_GROUP = "daemons"
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+DAEMONS_ZSET = f"{PREFIX}:daemons"
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 3.0  # a daemon silent this long is dead
+EVENTS_TTL_S = 3600  # an accepted request's stream lives at least this long
+EVENTS_TTL_AFTER_END_S = 600  # ...and this long after its last event (for resumes)
+CANCEL_TTL_S = 3600
+JOBS_MAXLEN = 10_000  # approximate trim of the jobs stream on enqueue
+
+# Event types
+ACCEPTED = "accepted"
+TOKEN = "token"
+DONE = "done"
+ERROR = "error"
+TERMINAL = frozenset({DONE, ERROR})
+
+# Error codes written by the daemon side (the web side maps them to HTTP statuses).
+INFERENCE_INTERRUPTED = "inference_interrupted"
+SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
+
+
+def jobs_stream(model: str) -> str:
+    return f"{PREFIX}:jobs:{model}"
+
+
+def events_stream(request_id: str) -> str:
+    return f"{PREFIX}:events:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def daemon_key(daemon_id: str) -> str:
+    return f"{PREFIX}:daemon:{daemon_id}"
+
+
+def control_stream(daemon_id: str) -> str:
+    return f"{PREFIX}:control:{daemon_id}"
+
+
+def interrupted_key(request_id: str) -> str:
+    """SET NX guard so that only one party writes a request's inference_interrupted event."""
+    return f"{PREFIX}:interrupted:{request_id}"
+
+
+@dataclass(slots=True)
+class Job:
+    """A request as queued for a daemon. ``cache_scope`` is set by the web from the tenant."""
+
+    id: str
+    kind: str  # "completion" | "chat"
+    model: str
+    tenant_id: str
+    cache_scope: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields, as sent
+    session: str | None = None
+    cache_prompt: bool | None = None
+    enqueued_at: float = field(default_factory=time.time)
+
+    def encode(self) -> dict[str, str]:
+        """Fields for XADD."""
+        return {"job": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> "Job":
+        raw = fields.get(b"job", fields.get("job"))
+        return cls(**json.loads(raw))
+
+
+def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:
+    """Fields for an XADD to a request's events stream."""
+    return {"type": kind, "data": json.dumps(data, separators=(",", ":"))}
+
+
+def decode_event(fields: dict[Any, Any]) -> tuple[str, dict[str, Any]]:
+    """(type, data) of an events-stream entry (bytes or str fields)."""
+    kind = fields.get(b"type", fields.get("type"))
+    data = fields.get(b"data", fields.get("data"))
+    if isinstance(kind, bytes):
+        kind = kind.decode()
+    return kind, json.loads(data)
+
+
+def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+# Event payloads, for reference (what each ``data`` holds):
+#   accepted  {"daemon_id", "prompt_tokens", "model"}
+#   token     {"text", "n_tokens"}                       (one per request per tick)
+#   done      {"finish_reason", "stop", "usage", "timings"}
+#   error     {"code", "message", "param"?, "status"?, "usage"?, ...details}
+#     refusals before a job starts carry "status" (the HTTP status to answer with):
+#     queue_full 503, context_length_exceeded 400, empty_prompt 400,
+#     invalid_request_error 400, shutting_down 503; after acceptance: context_full,
+#     engine_error, inference_interrupted (no status: the stream is already open).
+REFUSAL_STATUS = {
+    "queue_full": 503,
+    "shutting_down": 503,
+    "context_length_exceeded": 400,
+    "empty_prompt": 400,
+    "invalid_request_error": 400,
+    "duplicate_request_id": 409,
+}

@@ -1,0 +1,379 @@
+"""The daemon's side of the Redis wire (see ``protocol.py``): jobs in, events out.
+
+Threads, besides the core's scheduler loop:
+- intake:  XREADGROUP on the model's jobs stream; checks the durable cancel flag; submits
+           to the core; refusals become ``error`` events with the HTTP status to answer.
+- cancels: pub/sub on ``llm:cancel``; cancels in-flight work at once (abort mid-prefill).
+- writer:  one pipeline per tick with every request's new events (tokens coalesced), the
+           XACK of finished jobs, history rows, the heartbeat snapshot, and reclaiming the
+           jobs of dead daemons.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from . import history, protocol
+from .core import InferenceCore
+from .errors import Refusal
+from .jobs import Event, FinishedEvent, TokenEvent
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+RECLAIM_INTERVAL_S = 5.0
+INTAKE_BATCH = 16
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """One event on its way to a request's stream."""
+
+    request_id: str
+    kind: str
+    data: dict[str, Any]
+    entry_id: str | None = None  # the job's entry in the jobs stream, acked with the terminal event
+
+
+@dataclass(slots=True)
+class _Buffer:
+    """Events waiting for the writer. Events of a request being submitted are held back
+    until its ``accepted`` (or refusal) is queued, so a stream always starts with it."""
+
+    items: list[_Outgoing] = field(default_factory=list)
+    held: dict[str, list[_Outgoing]] = field(default_factory=dict)
+
+
+class DaemonTransport:
+    """Serves one model's jobs from Redis with an ``InferenceCore``."""
+
+    def __init__(self, core: InferenceCore, client: redis.Redis, model: str,
+                 daemon_id: str | None = None, config_info: dict[str, Any] | None = None) -> None:
+        self.core = core
+        self.redis = client
+        self.model = model
+        self.daemon_id = daemon_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.config_info = config_info or {}
+        self.started_at = time.time()
+        self.jobs_stream = protocol.jobs_stream(model)
+        self._entries: dict[str, str] = {}  # request id -> jobs-stream entry id
+        self._buffer = _Buffer()
+        self._cond = threading.Condition()
+        self._intake_open = threading.Event()
+        self._running = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last_heartbeat = 0.0
+        self._last_reclaim = 0.0
+        core.listeners.append(self._on_event)
+        core.tick_listeners.append(lambda _stats: self._wake())
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.jobs_stream, protocol.JOBS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def start(self) -> None:
+        """Create the consumer group if needed, publish a first heartbeat, start the threads."""
+        self._ensure_group()
+        self._running.set()
+        self._intake_open.set()
+        self._heartbeat()
+        for target in (self._intake_loop, self._cancel_loop, self._writer_loop):
+            thread = threading.Thread(target=target, name=target.__name__.strip("_"), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("daemon %s serving model %r from %s", self.daemon_id, self.model, self.jobs_stream)
+
+    def stop(self, grace_s: float) -> None:
+        """Stop taking jobs, let in-flight work finish for ``grace_s`` (then cancel it),
+        write every last event, and leave: the heartbeat key goes at once."""
+        self._intake_open.clear()
+        self.core.stop(grace_s)
+        self._running.clear()
+        self._wake()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._flush()
+        self.redis.delete(protocol.daemon_key(self.daemon_id))
+        self.redis.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+        log.info("daemon %s stopped", self.daemon_id)
+
+    @property
+    def healthy(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def _intake_loop(self) -> None:
+        while self._intake_open.is_set():
+            try:
+                reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
+                                              {self.jobs_stream: ">"}, count=INTAKE_BATCH, block=500)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
+                self._ensure_group()
+                continue
+            except redis.RedisError:
+                log.exception("reading jobs failed; retrying in 1 s")
+                time.sleep(1)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    if not self._intake_open.is_set():
+                        return  # unread by us: reclaimed by the next daemon once we are gone
+                    self._start_job(_text(entry_id), fields)
+
+    def _start_job(self, entry_id: str, fields: dict[Any, Any]) -> None:
+        try:
+            job = protocol.Job.decode(fields)
+        except (KeyError, TypeError, ValueError):
+            log.error("dropping malformed job entry %s", entry_id)
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            return
+        if self.redis.exists(protocol.cancel_key(job.id)):
+            self._queue_terminal(job.id, entry_id, protocol.DONE, _cancelled_before_start())
+            return
+        with self._cond:
+            self._buffer.held[job.id] = []
+        try:
+            params = SamplingParams.from_dict(job.params)
+            handle = self.core.submit(
+                prompt=job.prompt, messages=job.messages, params=params, request_id=job.id,
+                cache_scope=job.cache_scope, session=job.session, cache_prompt=job.cache_prompt,
+            )
+        except Refusal as refusal:
+            with self._cond:
+                self._buffer.held.pop(job.id, None)
+            data = {**refusal.as_dict(), "status": protocol.REFUSAL_STATUS.get(refusal.code, 400)}
+            self._queue_terminal(job.id, entry_id, protocol.ERROR, data)
+            return
+        with self._cond:
+            self._entries[job.id] = entry_id
+            accepted = _Outgoing(job.id, protocol.ACCEPTED, {
+                "daemon_id": self.daemon_id, "prompt_tokens": handle.prompt_tokens, "model": self.model,
+            })
+            self._buffer.items.append(accepted)
+            self._buffer.items.extend(self._buffer.held.pop(job.id))
+            self._cond.notify()
+        if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while we were submitting
+            self.core.cancel(job.id)
+
+    # -- cancels ----------------------------------------------------------------------------
+
+    def _cancel_loop(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(protocol.CANCEL_CHANNEL)
+        try:
+            while self._running.is_set():
+                try:
+                    message = pubsub.get_message(timeout=0.5)
+                except redis.RedisError:
+                    log.exception("cancel channel failed; resubscribing in 1 s")
+                    time.sleep(1)
+                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(protocol.CANCEL_CHANNEL)
+                    continue
+                if message and message["type"] == "message":
+                    self.core.cancel(_text(message["data"]))
+        finally:
+            pubsub.close()
+
+    # -- events out -------------------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        """Core listener (scheduler thread, scheduler lock held): buffer only."""
+        if isinstance(event, TokenEvent):
+            item = _Outgoing(event.request_id, protocol.TOKEN, {"text": event.text, "n_tokens": event.n_tokens})
+        else:
+            kind, data = _finished_payload(event)
+            item = _Outgoing(event.request_id, kind, data)
+        with self._cond:
+            held = self._buffer.held.get(event.request_id)
+            if held is not None:
+                held.append(item)
+                return
+            if item.kind in protocol.TERMINAL:
+                item.entry_id = self._entries.pop(event.request_id, None)
+            self._buffer.items.append(item)
+            if item.kind in protocol.TERMINAL:
+                self._cond.notify()
+
+    def _queue_terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
+        with self._cond:
+            self._buffer.items.append(_Outgoing(request_id, kind, data, entry_id))
+            self._cond.notify()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _writer_loop(self) -> None:
+        while self._running.is_set():
+            with self._cond:
+                if not self._buffer.items:
+                    self._cond.wait(timeout=protocol.HEARTBEAT_INTERVAL_S / 4)
+            try:
+                self._flush()
+                now = time.monotonic()
+                if now - self._last_heartbeat >= protocol.HEARTBEAT_INTERVAL_S:
+                    self._heartbeat()
+                if now - self._last_reclaim >= RECLAIM_INTERVAL_S:
+                    self._last_reclaim = now
+                    self.reclaim_dead()
+            except redis.RedisError:
+                log.exception("writing to Redis failed; retrying")
+                time.sleep(0.5)
+
+    def _flush(self) -> None:
+        """Write everything buffered in one round trip. History rows are closed before the
+        terminal event goes out (a client that saw ``done`` finds its row final)."""
+        with self._cond:
+            items, self._buffer.items = self._buffer.items, []
+        if not items:
+            return
+        for item in items:
+            if item.kind in protocol.TERMINAL:
+                history.mark_finished(
+                    item.request_id, item.data.get("finish_reason", "error"), item.data.get("usage"),
+                    item.data.get("timings"), error_code=item.data.get("code", ""),
+                )
+        pipe = self.redis.pipeline(transaction=False)
+        for item in _coalesce(items):
+            stream = protocol.events_stream(item.request_id)
+            pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
+            if item.kind == protocol.ACCEPTED:
+                pipe.expire(stream, protocol.EVENTS_TTL_S)
+            elif item.kind in protocol.TERMINAL:
+                pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
+                if item.entry_id:
+                    pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
+        pipe.execute()
+        for item in items:
+            if item.kind == protocol.ACCEPTED:
+                history.mark_running(item.request_id, item.data["prompt_tokens"])
+
+    # -- heartbeat and dead daemons -----------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state published for the admin, /v1/health and /metrics (no prompt text)."""
+        return {
+            "daemon_id": self.daemon_id,
+            "model": self.model,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "heartbeat_at": time.time(),
+            "config": self.config_info,
+            **self.core.snapshot(),
+        }
+
+    def _heartbeat(self) -> None:
+        self._last_heartbeat = time.monotonic()
+        snap = self.snapshot()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(protocol.daemon_key(self.daemon_id), json.dumps(snap), px=int(protocol.HEARTBEAT_TTL_S * 1000))
+        pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
+        pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
+        pipe.execute()
+
+    def reclaim_dead(self) -> int:
+        """Take over the pending jobs of consumers whose daemon is gone. A job that had
+        started ends with ``inference_interrupted``; one that had not is served here."""
+        reclaimed = 0
+        try:
+            consumers = self.redis.xinfo_consumers(self.jobs_stream, protocol.JOBS_GROUP)
+        except redis.ResponseError:
+            return 0
+        for consumer in consumers:
+            name = _text(consumer["name"])
+            if name == self.daemon_id or self.redis.exists(protocol.daemon_key(name)):
+                continue
+            pending = self.redis.xpending_range(self.jobs_stream, protocol.JOBS_GROUP, "-", "+",
+                                                count=1000, consumername=name)
+            ids = [p["message_id"] for p in pending]
+            claimed = self.redis.xclaim(self.jobs_stream, protocol.JOBS_GROUP, self.daemon_id,
+                                        min_idle_time=0, message_ids=ids) if ids else []
+            for entry_id, fields in claimed:
+                if fields:
+                    self._recover(_text(entry_id), fields, dead=name)
+                else:  # the entry was trimmed away: nothing left to serve
+                    self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+                reclaimed += 1
+            self.redis.xgroup_delconsumer(self.jobs_stream, protocol.JOBS_GROUP, name)
+            log.warning("reclaimed %d pending jobs of dead daemon %s", len(claimed), name)
+        return reclaimed
+
+    def _recover(self, entry_id: str, fields: dict[Any, Any], dead: str) -> None:
+        job = protocol.Job.decode(fields)
+        stream = protocol.events_stream(job.id)
+        events = self.redis.xrange(stream)
+        kinds = [protocol.decode_event(f)[0] for _, f in events]
+        if any(k in protocol.TERMINAL for k in kinds):
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        elif kinds:
+            if self.redis.set(protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S):
+                self._queue_terminal(job.id, entry_id, protocol.ERROR, {
+                    "code": protocol.INFERENCE_INTERRUPTED,
+                    "message": f"the scheduler daemon {dead} stopped while serving this request",
+                })
+            else:
+                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        else:
+            self._start_job(entry_id, fields)
+
+
+def _finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
+    s = event.stats
+    data: dict[str, Any] = {
+        "finish_reason": event.finish_reason,
+        "stop": event.stop,
+        "usage": protocol.usage(s.prompt_tokens, s.cached_tokens, s.completion_tokens),
+        "timings": {
+            "queue_ms": s.queue_ms, "ttft_ms": s.ttft_ms, "duration_ms": s.duration_ms,
+            "prompt_eval_rate": s.prompt_eval_rate, "generation_rate": s.generation_rate,
+        },
+    }
+    if event.error is not None:
+        return protocol.ERROR, {**data, **event.error}
+    return protocol.DONE, data
+
+
+def _cancelled_before_start() -> dict[str, Any]:
+    return {"finish_reason": "cancelled", "stop": None, "usage": protocol.usage(0, 0, 0), "timings": {}}
+
+
+def _coalesce(items: list[_Outgoing]) -> list[_Outgoing]:
+    """Merge consecutive token events of one request (a slow writer sends fewer, larger ones)."""
+    out: list[_Outgoing] = []
+    last_token: dict[str, _Outgoing] = {}
+    for item in items:
+        prev = last_token.get(item.request_id)
+        if item.kind == protocol.TOKEN and prev is not None:
+            prev.data = {"text": prev.data["text"] + item.data["text"],
+                         "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"]}
+            continue
+        out.append(item)
+        if item.kind == protocol.TOKEN:
+            last_token[item.request_id] = item
+        else:
+            last_token.pop(item.request_id, None)
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,142 @@
+"""The scheduler daemon end to end: real Redis, real ``run_scheduler`` process, real Gemma."""
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+
+from scheduler_daemon import protocol
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    return make_daemon().start()
+
+
+def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
+    _, db, _ = daemon_env
+    request_id = uuid.uuid4().hex
+    db.add_request(request_id)
+    daemon.enqueue(id=request_id, prompt="The capital of France is", params=GREEDY)
+    events = daemon.events(request_id)
+    kinds = [kind for _, kind, _ in events]
+    assert kinds[0] == "accepted" and kinds[-1] == "done" and set(kinds[1:-1]) == {"token"}
+    assert events[0][2]["daemon_id"] == daemon.daemon_id and events[0][2]["prompt_tokens"] == 6
+    done = events[-1][2]
+    text = "".join(data["text"] for _, kind, data in events if kind == "token")
+    assert text and done["finish_reason"] in ("stop", "length")
+    usage = done["usage"]
+    assert usage["completion_tokens"] == sum(d["n_tokens"] for _, k, d in events if k == "token")
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    ids = [entry_id for entry_id, _, _ in events]
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))  # resumable order
+    assert 0 < daemon.redis.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+    row = db.row(request_id)
+    assert row["status"] == "done" and row["completion_tokens"] == usage["completion_tokens"]
+    assert row["prompt_tokens"] == 6 and row["ttft_ms"] > 0 and row["finished"]
+    pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
+    assert pending["pending"] == 0  # acknowledged once its last event was written
+
+
+def test_chat_job_uses_the_cache_scope(daemon):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    first = daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope="tenant-x")
+    daemon.events(first.id)
+    again = daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope="tenant-x")
+    other = daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope="tenant-y")
+    assert daemon.events(again.id)[-1][2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert daemon.events(other.id)[-1][2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
+    _, db, _ = daemon_env
+    too_long = daemon.enqueue(prompt="word " * 3000, params={"max_tokens": 10})
+    db.add_request(too_long.id)
+    [(_, kind, data)] = daemon.events(too_long.id)
+    assert kind == "error" and data["code"] == "context_length_exceeded" and data["status"] == 400
+    assert data["limit"] == 2048 and data["prompt_tokens"] > 2048 and data["max_tokens"] == 10
+    assert db.row(too_long.id)["status"] == "error"
+    assert db.row(too_long.id)["error_code"] == "context_length_exceeded"
+    bad_grammar = daemon.enqueue(prompt="hi", params={"grammar": "root ::= (("})
+    [(_, kind, data)] = daemon.events(bad_grammar.id)
+    assert (kind, data["param"], data["status"]) == ("error", "grammar", 400)
+    bad_value = daemon.enqueue(prompt="hi", params={"temperature": "warm"})
+    assert daemon.events(bad_value.id)[0][2]["param"] == "temperature"
+
+
+def test_cancel_mid_generation_frees_the_slot(daemon, daemon_env):
+    _, db, _ = daemon_env
+    job = daemon.enqueue(prompt="Tell a long story.", params={"max_tokens": 400, "ignore_eos": True})
+    db.add_request(job.id)
+    daemon.wait_for(job.id, "token")
+    daemon.cancel(job.id)
+    events = daemon.events(job.id)
+    done = events[-1][2]
+    assert done["finish_reason"] == "cancelled" and done["usage"]["completion_tokens"] < 400
+    assert db.row(job.id)["status"] == "cancelled"
+    deadline = time.monotonic() + 10
+    while any(s["request_id"] == job.id for s in daemon.snapshot().get("slots", [])):
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.1)
+
+
+def test_a_job_cancelled_before_it_starts_never_runs(daemon):
+    request_id = uuid.uuid4().hex
+    daemon.redis.set(protocol.cancel_key(request_id), 1, ex=60)
+    daemon.enqueue(id=request_id, prompt="hello", params=GREEDY)
+    [(_, kind, data)] = daemon.events(request_id)
+    assert kind == "done" and data["finish_reason"] == "cancelled"
+
+
+def test_snapshot_is_published_with_a_heartbeat_and_no_text(daemon):
+    snap = daemon.snapshot()
+    assert snap["model"] == daemon.model and snap["config"]["n_parallel"] == 2
+    assert len(snap["slots"]) == 2 and "counters" in snap and "queue" in snap
+    ttl_ms = daemon.redis.pttl(protocol.daemon_key(daemon.daemon_id))
+    assert 0 < ttl_ms <= protocol.HEARTBEAT_TTL_S * 1000
+    assert "France" not in str(snap) and "fruit" not in str(snap)
+
+
+def test_queue_full_refuses_fast_and_every_accepted_job_completes(make_daemon):
+    daemon = make_daemon(MAX_QUEUE="1", N_PARALLEL="1").start()
+    jobs = [daemon.enqueue(prompt=f"Count to ten, try {i}:", params={"max_tokens": 24, "temperature": 0})
+            for i in range(6)]
+    outcomes = [daemon.events(job.id)[-1] for job in jobs]
+    refused = [data for _, kind, data in outcomes if kind == "error"]
+    finished = [data for _, kind, data in outcomes if kind == "done"]
+    assert refused and all(d["code"] == "queue_full" and d["status"] == 503 for d in refused)
+    assert finished and all(d["usage"]["completion_tokens"] > 0 for d in finished)
+    assert len(refused) + len(finished) == 6
+
+
+def test_sigterm_drains_and_exits_cleanly(make_daemon):
+    daemon = make_daemon().start()
+    job = daemon.enqueue(prompt="Once upon a time", params={"max_tokens": 16, "temperature": 0})
+    daemon.wait_for(job.id, "accepted")
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert daemon.events(job.id, timeout_s=5)[-1][1] == "done"  # finished within the grace period
+    assert not daemon.redis.exists(protocol.daemon_key(daemon.daemon_id))
+
+
+def test_a_killed_daemons_jobs_are_failed_and_a_restart_serves_the_queue(make_daemon, daemon_env):
+    _, db, _ = daemon_env
+    first = make_daemon().start()
+    running = first.enqueue(prompt="Tell a long story.", params={"max_tokens": 500, "ignore_eos": True})
+    db.add_request(running.id)
+    first.wait_for(running.id, "token")
+    first.stop(signal.SIGKILL)
+    queued = first.enqueue(prompt="The capital of France is", params=GREEDY)  # no daemon alive now
+    second = make_daemon(model=first.model).start()
+    events = second.events(running.id, timeout_s=60)
+    assert events[-1][1] == "error" and events[-1][2]["code"] == "inference_interrupted"
+    assert db.row(running.id)["status"] == "error"
+    assert db.row(running.id)["error_code"] == "inference_interrupted"
+    assert second.events(queued.id)[-1][1] == "done"
+    pending = second.redis.xpending(protocol.jobs_stream(first.model), protocol.JOBS_GROUP)
+    assert pending["pending"] == 0
