@@ -75,6 +75,12 @@ DATABASES = {
         env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
     ),
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The web and the scheduler daemon write history from two processes: WAL lets readers
+    # and a writer overlap, and a writer waits for the lock instead of failing at once.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"}
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -104,6 +110,9 @@ REST_FRAMEWORK = {
 
 # Redis: job queue and token pipe between web and the scheduler daemon.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The web's waits: for a daemon to take a queued job, and for a whole request.
+ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)
+REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
 
 # The model and the scheduler daemon's knobs.
 MODEL_PATH = env_str(

@@ -1,10 +1,60 @@
-"""What /v1/health reports. Grows to read the daemons' snapshots from Redis."""
+"""What /v1/health and /v1/models report, from the daemons' published snapshots.
 
+Only counts and names: /v1/health needs no key, so it never shows request ids or cache
+scopes (tenants).
+"""
+
+import time
 from typing import Any
 
+import redis
 from django.conf import settings
+
+from inference import broker
+
+OWNER = "llm-inference"
 
 
 def health_report() -> dict[str, Any]:
     """A JSON-ready summary; answering at all means the web process is up."""
-    return {"status": "ok", "scheduler": "unavailable", "model": settings.MODEL_NAME}
+    try:
+        daemons = broker.live_daemons_sync()
+        redis_status = "ok"
+    except redis.RedisError:
+        daemons, redis_status = [], "unavailable"
+    return {
+        "status": "ok",
+        "redis": redis_status,
+        "scheduler": "ok" if daemons else "unavailable",
+        "model": settings.MODEL_NAME,
+        "models": sorted({d.get("model", "") for d in daemons}),
+        "daemons": [_summary(d) for d in daemons],
+    }
+
+
+def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
+    slots = snapshot.get("slots") or []
+    return {
+        "daemon_id": snapshot.get("daemon_id"),
+        "model": snapshot.get("model"),
+        "started_at": snapshot.get("started_at"),
+        "heartbeat_age_s": round(time.time() - float(snapshot.get("heartbeat_at") or 0), 2),
+        "slots_total": len(slots),
+        "slots_busy": sum(1 for s in slots if s.get("state") != "idle"),
+        "queue_depth": len(snapshot.get("queue") or []),
+        "admitting": snapshot.get("admitting", True),
+    }
+
+
+def model_list() -> list[dict[str, Any]]:
+    """OpenAI ``model`` objects for the models live daemons serve (earliest start wins)."""
+    started: dict[str, float] = {}
+    for snapshot in broker.live_daemons_sync():
+        name = snapshot.get("model")
+        if name:
+            at = float(snapshot.get("started_at") or time.time())
+            started[name] = min(at, started.get(name, at))
+    return [
+        {"id": name, "object": "model", "created": int(at), "owned_by": OWNER}
+        for name, at in sorted(started.items())
+    ]

@@ -9,7 +9,9 @@ Run by the project's virtualenv python (the Makefile creates .venv first):
 import argparse
 import hashlib
 import importlib.metadata
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +48,29 @@ def fail(message: str) -> None:
 
 def manage(*args: str, env: dict[str, str] | None = None) -> None:
     subprocess.run([PY, "manage.py", *args], cwd=ROOT, check=True, env=env)
+
+
+def seed_demo() -> str | None:
+    """Run seed_demo (showing its output); the demo API key when it was just created."""
+    result = subprocess.run([PY, "manage.py", "seed_demo"], cwd=ROOT, check=True,
+                            stdout=subprocess.PIPE, text=True)
+    print(result.stdout, end="", flush=True)
+    found = re.search(r"\b(sk-\S+)", result.stdout)
+    return found.group(1) if found else None
+
+
+def curl_example(base: str, demo_key: str | None) -> str:
+    """A working chat completion request for the freshly started server."""
+    model = os.environ.get("MODEL_NAME", "gemma-3-270m")
+    body = json.dumps({"model": model, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Say hello."}]})
+    lines = [f"curl -s {base}/v1/chat/completions \\",
+             f'  -H "Authorization: Bearer {demo_key or "sk-..."}" \\',
+             f"  -H 'Content-Type: application/json' -d '{body}'"]
+    if not demo_key:
+        lines.insert(0, "Make an API key with: .venv/bin/python manage.py create_api_key demo")
+        lines.insert(1, "then put it in place of sk-... below.")
+    return "\n".join(lines)
 
 
 # --- dependencies and model -------------------------------------------------------------
@@ -197,14 +222,14 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 # --- commands ------------------------------------------------------------------------------
 
 
-def setup(redis_url: str, start_redis: bool) -> subprocess.Popen | None:
+def setup(redis_url: str, start_redis: bool) -> tuple[subprocess.Popen | None, str | None]:
+    """Everything before serving; returns the Redis it started and a new demo key, if any."""
     install_deps()
     ensure_model()
     redis_proc = ensure_redis(redis_url, start_redis)
     say("Applying migrations ...")
     manage("migrate", "--noinput", "-v", "0")
-    manage("seed_demo")
-    return redis_proc
+    return redis_proc, seed_demo()
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
@@ -217,7 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     redis_proc = None
     try:
-        redis_proc = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), start_redis=True)
+        redis_proc, demo_key = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), True)
         if RUN_SCHEDULER.exists():
             procs.append(start("scheduler", [PY, "manage.py", "run_scheduler"]))
         else:
@@ -228,6 +253,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         wait_healthy(f"{base}/v1/health", procs)
         say(f"Ready. API base: {base}/v1")
         say(f"Playground: {base}/playground/   Admin: {base}/admin/   (Ctrl-C stops everything)")
+        say("Try it:")
+        print(curl_example(base, demo_key), flush=True)
         while all(proc.poll() is None for _, proc in procs):
             time.sleep(0.5)
         name, proc = next((n, p) for n, p in procs if p.poll() is not None)
@@ -246,7 +273,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     test_redis_url = os.environ.get("TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
     redis_proc = None
     try:
-        redis_proc = setup(test_redis_url, start_redis=True)
+        redis_proc, _ = setup(test_redis_url, start_redis=True)
         say(f"Running the test suite (Redis: {test_redis_url}) ...")
         env = {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
         return subprocess.run([PY, "-m", "pytest", *args.pytest_args], cwd=ROOT, env=env).returncode

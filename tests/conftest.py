@@ -51,13 +51,27 @@ def bearer(key: str) -> dict[str, str]:
     return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
 
 
-@pytest.fixture
-def redis_client():
-    """A client on the test Redis database, emptied before and after the test."""
+@pytest.fixture(scope="session", autouse=True)
+def clean_test_redis():
+    """Empty the test Redis database once before and once after the whole run.
+
+    Never per test: daemons started by session- or module-scoped fixtures keep their
+    consumer groups, heartbeats and streams there while other tests run.
+    """
     import redis
 
     client = redis.Redis.from_url(TEST_REDIS_URL)
     client.flushdb()
-    yield client
+    yield
     client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_client():
+    """A client on the test Redis database (tests use their own keys and clean them up)."""
+    import redis
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    yield client
     client.close()

@@ -1,0 +1,254 @@
+"""What the service adds on top of the scheduler: TTFT and throughput through HTTP + SSE.
+
+For each concurrency N, N streamed completions of the same token-id prompts (distinct per
+request, ~100 tokens, greedy, ignore_eos, no prefix cache) go
+  "inproc": straight to an in-process InferenceCore (submit -> first TokenEvent with text);
+  "http":   through daphne + Redis + a run_scheduler daemon, POST /v1/completions with
+            stream=true (request sent -> first SSE chunk with text), a minimal asyncio client.
+Both setups have the same engine sizes and run in this one process's run, interleaved per
+repetition so machine drift hits both alike. TTFT p50 is over all requests of a
+concurrency level; throughput is generated tokens / wall time of each batch (best rep).
+Run:  .venv/bin/python bench/http_overhead.py [--conc 1 4 8] [--new-tokens 64] [--reps 3]
+Needs Redis (--redis-url, default database 14). The last line printed is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from _common import ROOT, machine, model_path
+
+from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.engine import EngineConfig, LlamaEngine
+from scheduler_daemon.jobs import TokenEvent
+from scheduler_daemon.sampling import SamplingParams
+from scheduler_daemon.scheduler import SchedulerConfig
+
+PROMPT_TOKENS = 100
+_DROP_JOBS = ("import sys, redis; from scheduler_daemon import protocol; "
+              "redis.Redis.from_url(sys.argv[1]).delete(protocol.jobs_stream(sys.argv[2]))")
+N_CTX, N_BATCH, CHUNK = 8192, 2048, 512
+
+
+def make_prompts(engine: LlamaEngine, n: int, salt: int) -> list[list[int]]:
+    """``n`` distinct prompts of PROMPT_TOKENS tokens (``salt`` keeps repetitions distinct)."""
+    topics = ["rivers", "mountains", "trains", "bread", "stars", "gardens", "cities", "music"]
+    return [engine.tokenize(f"Essay {salt}-{i} about {topics[i % len(topics)]}. "
+                            + "Write a long and detailed essay about this subject. " * 12)
+            [:PROMPT_TOKENS] for i in range(n)]
+
+
+# -- in-process ----------------------------------------------------------------------------
+
+
+def run_inproc(core: InferenceCore, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    tokens: list[int] = []
+
+    def consume(handle, t0: float) -> None:
+        first = None
+        for event in handle.events(timeout=600):
+            if isinstance(event, TokenEvent):
+                if first is None and event.text:
+                    first = time.perf_counter() - t0
+            else:
+                tokens.append(event.stats.completion_tokens)
+        ttfts.append(first or 0.0)
+
+    t0 = time.perf_counter()
+    threads = []
+    for prompt in prompts:
+        handle = core.submit(prompt=prompt, params=params, cache_prompt=False)
+        threads.append(threading.Thread(target=consume, args=(handle, time.perf_counter())))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    return {"ttfts": ttfts, "tok_s": sum(tokens) / (time.perf_counter() - t0)}
+
+
+# -- HTTP + SSE -------------------------------------------------------------------------------
+
+
+async def one_stream(port: int, key: str, body: bytes) -> tuple[float, int]:
+    """(TTFT s, completion tokens) of one streamed completion over HTTP/1.0 (no chunking)."""
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer " + key.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"HTTP {status!r}: {await reader.read()!r}")
+    ttft, used = None, 0
+    async for line in reader:
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+            ttft = time.perf_counter() - t0
+        if chunk.get("usage"):
+            used = chunk["usage"]["completion_tokens"]
+    writer.close()
+    return ttft or 0.0, used
+
+
+def run_http(port: int, key: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": new_tokens, "stream": True,
+                          "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+                          "stream_options": {"include_usage": True}}).encode() for p in prompts]
+
+    async def batch() -> list[tuple[float, int]]:
+        return await asyncio.gather(*(one_stream(port, key, b) for b in bodies))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(batch())
+    return {"ttfts": [r[0] for r in results],
+            "tok_s": sum(r[1] for r in results) / (time.perf_counter() - t0)}
+
+
+class Stack:
+    """daphne + run_scheduler on a temporary SQLite database, stopped by ``close``."""
+
+    def __init__(self, redis_url: str, n_parallel: int, threads: int, model: str) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
+        self.port = _free_port()
+        self.model = model
+        self.env = {**os.environ, "REDIS_URL": redis_url, "DEBUG": "false",
+                    "SECRET_KEY": secrets.token_urlsafe(40), "ALLOWED_HOSTS": "127.0.0.1",
+                    "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}", "LOG_LEVEL": "WARNING",
+                    "MODEL_PATH": model_path(), "MODEL_NAME": model, "N_PARALLEL": str(n_parallel),
+                    "N_CTX": str(N_CTX), "N_BATCH": str(N_BATCH), "CHUNK_SIZE": str(CHUNK),
+                    "N_THREADS": str(threads), "CACHE_PROMPT": "false"}
+        self.procs: list[subprocess.Popen] = []
+
+    def open(self) -> str:
+        """Start everything; return an API key."""
+        manage = [sys.executable, "manage.py"]
+        self._run([*manage, "migrate", "-v", "0"])
+        self._run([*manage, "create_tenant", "bench"])
+        key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
+        log = (self.tmp / "log.txt").open("ab")
+        daphne = [sys.executable, "-m", "daphne", "-p", str(self.port), "config.asgi:application"]
+        for argv in ([*manage, "run_scheduler", "--grace", "1"], daphne):
+            self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while not self._model_served():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.close(keep_logs=True)
+                raise RuntimeError(f"the service did not start; see {self.tmp / 'log.txt'}")
+            time.sleep(0.5)
+        return key
+
+    def _run(self, argv: list[str]) -> str:
+        return subprocess.run(argv, cwd=ROOT, env=self.env, check=True, capture_output=True,
+                              text=True).stdout
+
+    def _model_served(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/health", timeout=2) as r:
+                return self.model in json.loads(r.read())["models"]
+        except OSError:
+            return False
+
+    def close(self, keep_logs: bool = False) -> None:
+        """Stop the processes; drop the model's jobs stream and (unless asked) the files."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self._run([sys.executable, "-c", _DROP_JOBS, self.env["REDIS_URL"], self.model])
+        if not keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def p50_ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conc", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    n_seq = max(args.conc)
+    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=N_CTX, n_batch=N_BATCH,
+                                      n_seq_max=n_seq, n_threads=args.threads))
+    core = InferenceCore(engine, SchedulerConfig(chunk_size=CHUNK, cache_prompt=False))
+    core.start()
+    stack = Stack(args.redis_url, n_seq, args.threads, f"bench-{secrets.token_hex(3)}")
+    try:
+        key = stack.open()
+        print(f"machine: {machine()}")
+        print(f"n_ctx={N_CTX} n_batch={N_BATCH} n_seq_max={n_seq} threads={args.threads} "
+              f"prompt={PROMPT_TOKENS} new={args.new_tokens} reps={args.reps}")
+        warm = make_prompts(engine, 1, -1)
+        run_inproc(core, warm, 4)
+        run_http(stack.port, key, stack.model, warm, 4)
+        rows = []
+        print(f"{'conc':>4} {'ttft inproc':>11} {'ttft http':>9} {'tok/s inproc':>12} "
+              f"{'tok/s http':>10} {'ratio':>6}")
+        for conc in args.conc:
+            inproc = {"ttfts": [], "tok_s": []}
+            http = {"ttfts": [], "tok_s": []}
+            for rep in range(args.reps):
+                prompts = make_prompts(engine, conc, rep * 100 + conc)
+                for mode, result in (
+                    (inproc, run_inproc(core, prompts, args.new_tokens)),
+                    (http, run_http(stack.port, key, stack.model, prompts, args.new_tokens)),
+                ):
+                    mode["ttfts"] += result["ttfts"]
+                    mode["tok_s"].append(result["tok_s"])
+            row = {"conc": conc,
+                   "inproc": {"ttft_p50_ms": p50_ms(inproc["ttfts"]),
+                              "tok_s": round(max(inproc["tok_s"]), 2)},
+                   "http": {"ttft_p50_ms": p50_ms(http["ttfts"]),
+                            "tok_s": round(max(http["tok_s"]), 2)}}
+            row["ttft_overhead_ms"] = round(row["http"]["ttft_p50_ms"]
+                                            - row["inproc"]["ttft_p50_ms"], 1)
+            row["throughput_ratio"] = round(row["http"]["tok_s"] / row["inproc"]["tok_s"], 3)
+            rows.append(row)
+            print(f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms "
+                  f"{row['http']['ttft_p50_ms']:>7.1f}ms {row['inproc']['tok_s']:>12.2f} "
+                  f"{row['http']['tok_s']:>10.2f} {row['throughput_ratio']:>6.3f}", flush=True)
+    finally:
+        stack.close()
+        core.stop(grace_s=0)
+        engine.close()
+    print(json.dumps({"bench": "http_overhead", "machine": machine(), "threads": args.threads,
+                      "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
+                      "reps": args.reps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

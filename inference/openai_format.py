@@ -1,0 +1,89 @@
+"""Protocol events as OpenAI response bodies, stream chunks and SSE frames."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from inference.api_errors import ApiError
+from inference.broker import StreamEvent
+from inference.openai_request import CHAT
+from scheduler_daemon import protocol
+
+DONE_FRAME = b"data: [DONE]\n\n"
+KEEPALIVE_FRAME = b": keep-alive\n\n"
+OPEN_FRAME = b": stream\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Formatter:
+    """Builds one request's replies; ``kind`` is "chat" or "completion"."""
+
+    kind: str
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == CHAT else 'cmpl'}-{self.request_id}"
+
+    def whole(self, text: str, final: StreamEvent) -> dict[str, Any]:
+        """The non-streaming body. An ``error`` final event raises ApiError instead."""
+        if final.kind == protocol.ERROR:
+            raise ApiError.from_event(final.data)
+        reason = final.data.get("finish_reason")
+        if self.kind == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {**self._head(whole=True), "choices": [choice], "usage": usage_of(final)}
+
+    def chunks(self, event: StreamEvent) -> list[dict[str, Any]]:
+        """The stream chunks one event becomes (possibly none)."""
+        if event.kind == protocol.ACCEPTED:
+            return [self._chunk({"role": "assistant", "content": ""})] if self.kind == CHAT else []
+        if event.kind == protocol.TOKEN:
+            text = event.data.get("text", "")
+            return [self._chunk({"content": text} if self.kind == CHAT else text)] if text else []
+        if event.kind == protocol.DONE:
+            last = self._chunk({} if self.kind == CHAT else "", event.data.get("finish_reason"))
+            if not self.include_usage:
+                return [last]
+            return [last, {**self._head(), "choices": [], "usage": usage_of(event)}]
+        if event.kind == protocol.ERROR:
+            return [ApiError.from_event(event.data).body()]
+        return []
+
+    def _head(self, whole: bool = False) -> dict[str, Any]:
+        if self.kind == CHAT:
+            kind = "chat.completion" if whole else "chat.completion.chunk"
+        else:
+            kind = "text_completion"
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        if not whole and self.include_usage:
+            head["usage"] = None
+        return head
+
+    def _chunk(self, delta: dict[str, Any] | str, reason: str | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == CHAT:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice.update(finish_reason=reason, logprobs=None)
+        return {**self._head(), "choices": [choice]}
+
+
+def usage_of(event: StreamEvent) -> dict[str, Any]:
+    """The event's OpenAI ``usage`` (zeros when the daemon sent none)."""
+    return event.data.get("usage") or protocol.usage(0, 0, 0)
+
+
+def sse_frame(entry_id: str | None, payload: dict[str, Any]) -> bytes:
+    """One SSE event; its id is the Redis entry id, so Last-Event-ID resumes after it."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    head = f"id: {entry_id}\n" if entry_id else ""
+    return f"{head}data: {data}\n\n".encode()

@@ -1,0 +1,243 @@
+"""Checking an OpenAI-style request body before anything is queued.
+
+Sampling fields are checked by ``scheduler_daemon.sampling`` and chat messages by
+``scheduler_daemon.chat`` (pure Python, no llama_cpp), so the web refuses exactly what the
+daemon would. Every refusal is a 400 naming the field. The list of accepted fields is in
+docs/api.md; anything else is refused as ``unknown_parameter``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from inference.api_errors import ApiError, invalid
+from scheduler_daemon import protocol
+from scheduler_daemon.chat import parse_messages
+from scheduler_daemon.errors import InvalidParameter
+from scheduler_daemon.sampling import FIELD_NAMES, SamplingParams
+
+COMPLETION = "completion"
+CHAT = "chat"
+MAX_SESSION_CHARS = 200
+
+_COMMON = {
+    "model", "stream", "stream_options", "n", "max_completion_tokens", "response_format",
+    "cache_prompt", "session", "user", "cache_scope",
+} | FIELD_NAMES
+
+
+def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        return value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+    return check
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def _falsy(value: Any) -> bool:
+    return value in (None, False, 0)
+
+
+# OpenAI fields we do not implement but accept while they ask for nothing we would ignore.
+_HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _falsy,
+    "top_logprobs": _falsy,
+    "tools": _none_or([]),
+    "tool_choice": _none_or("none", "auto"),
+    "functions": _none_or([]),
+    "function_call": _none_or("none", "auto"),
+    "parallel_tool_calls": _anything,
+    "modalities": _none_or(["text"]),
+    "store": _anything,
+    "metadata": _anything,
+    "service_tier": _anything,
+    "prompt_cache_key": _anything,
+    "safety_identifier": _anything,
+}
+_HARMLESS_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _falsy,
+    "echo": _none_or(False),
+    "best_of": _none_or(1),
+    "suffix": _none_or(""),
+}
+_KNOWN = {
+    CHAT: (_COMMON | {"messages"}, _HARMLESS_CHAT),
+    COMPLETION: (_COMMON | {"prompt"}, _HARMLESS_COMPLETION),
+}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A checked request, ready to become a ``protocol.Job``."""
+
+    kind: str
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    session: str = ""
+    cache_prompt: bool | None = None
+
+    def job(self, request_id: str, tenant_id: str) -> protocol.Job:
+        """The queued form; the cache scope is the tenant, whatever the client sent."""
+        return protocol.Job(
+            id=request_id, kind=self.kind, model=self.model, tenant_id=tenant_id,
+            cache_scope=tenant_id, prompt=self.prompt, messages=self.messages,
+            params=self.params, session=self.session or None, cache_prompt=self.cache_prompt,
+        )
+
+
+def parse_request(kind: str, body: Any) -> ParsedRequest:
+    """Check a completions (``kind`` "completion") or chat body; raise ApiError (400)."""
+    if not isinstance(body, dict):
+        raise invalid(None, "The request body must be a JSON object.")
+    _refuse_unknown(kind, body)
+    parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
+    parsed.stream = _bool(body, "stream", False)
+    parsed.include_usage = _include_usage(body.get("stream_options"))
+    if _present(body, "n") and (type(body["n"]) is not int or body["n"] != 1):
+        raise invalid("n", "Only n=1 is supported.")
+    parsed.session = _session(body)
+    cache_prompt = body.get("cache_prompt")
+    parsed.cache_prompt = None if cache_prompt is None else _bool(body, "cache_prompt", True)
+    if kind == CHAT:
+        parsed.messages = _messages(body.get("messages"))
+    else:
+        parsed.prompt = _prompt(body.get("prompt"))
+    parsed.params = _sampling(body)
+    return parsed
+
+
+def _present(body: dict[str, Any], name: str) -> bool:
+    return body.get(name) is not None
+
+
+def _refuse_unknown(kind: str, body: dict[str, Any]) -> None:
+    known, harmless = _KNOWN[kind]
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name not in harmless:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}",
+                          "unknown_parameter")
+        if not harmless[name](value):
+            raise invalid(name, f"{name}={value!r} is not supported by this server.",
+                          "unsupported_parameter")
+
+
+def _model(value: Any) -> str:
+    if value is None:
+        return settings.MODEL_NAME
+    if not isinstance(value, str) or not value:
+        raise invalid("model", "model must be a non-empty string.")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"{name} must be true or false.")
+    return value
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "stream_options must be an object.")
+    return _bool(options, "include_usage", False) if "include_usage" in options else False
+
+
+def _session(body: dict[str, Any]) -> str:
+    for name in ("session", "user"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise invalid(name, f"{name} must be a string.")
+        if name == "session" and len(value) > MAX_SESSION_CHARS:
+            raise invalid(name, f"session must have at most {MAX_SESSION_CHARS} characters.")
+        return value[:MAX_SESSION_CHARS]
+    return ""
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise invalid("messages", "messages is required.", "missing_required_parameter")
+    try:
+        pairs = parse_messages(value)
+    except InvalidParameter as exc:
+        raise invalid(exc.param, exc.message) from None
+    return [{"role": role, "content": text} for role, text in pairs]
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if value is None:
+        raise invalid("prompt", "prompt is required.", "missing_required_parameter")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # OpenAI's batch form with a single prompt
+    if isinstance(value, str):
+        if not value:
+            raise invalid("prompt", "prompt must not be empty.", "empty_prompt")
+        return value
+    if isinstance(value, list) and all(type(t) is int and t >= 0 for t in value):
+        if not value:
+            raise invalid("prompt", "prompt must not be empty.", "empty_prompt")
+        return value
+    raise invalid("prompt", "prompt must be a string or a list of token ids "
+                            "(batches of several prompts are not supported).")
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields as sent (aliases resolved), checked by SamplingParams."""
+    params = {name: body[name] for name in FIELD_NAMES if body.get(name) is not None}
+    renamed: dict[str, str] = {}
+    alias = body.get("max_completion_tokens")
+    if alias is not None:
+        if "max_tokens" in params and params["max_tokens"] != alias:
+            raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ.")
+        params["max_tokens"], renamed["max_tokens"] = alias, "max_completion_tokens"
+    schema = _response_format_schema(body.get("response_format"))
+    if schema is not None:
+        if "json_schema" in params:
+            raise invalid("response_format", "Give json_schema or response_format, not both.")
+        params["json_schema"], renamed["json_schema"] = schema, "response_format"
+    if "grammar" in params and "json_schema" in params:
+        raise invalid("grammar", "Give a grammar or a JSON schema, not both.")
+    try:
+        SamplingParams.from_dict(params)
+    except InvalidParameter as exc:
+        param = renamed.get(exc.param or "", exc.param)
+        message = exc.message.replace(f"{exc.param}:", f"{param}:", 1)
+        raise ApiError(400, message, exc.code, param) from None
+    return params
+
+
+def _response_format_schema(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as a JSON schema (None: plain text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = value.get("schema")
+        return schema if isinstance(schema, dict) else {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else value.get("schema")
+        if isinstance(schema, dict):
+            return schema
+        raise invalid("response_format", "response_format.json_schema.schema must be an object.")
+    raise invalid("response_format",
+                  "response_format.type must be 'text', 'json_object' or 'json_schema'.")

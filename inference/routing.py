@@ -1,0 +1,7 @@
+from django.urls import path
+
+from inference.consumers import StreamConsumer
+
+websocket_urlpatterns = [
+    path("ws/v1/stream", StreamConsumer.as_asgi()),
+]

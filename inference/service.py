@@ -1,0 +1,256 @@
+"""A request's life seen from the web: submit, wait for the daemon's answer, follow the stream.
+
+Shared by the REST views (JSON and SSE) and the websocket consumer. Every wait is bounded:
+reads block at most ``BLOCK_MS``, and after each empty read the daemon serving the request
+is checked; a dead one ends the stream with ``inference_interrupted`` (written once, under
+the protocol's SET NX guard) and closes the history row.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from types import TracebackType
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.utils import timezone
+
+from accounts.models import ApiKey, Tenant
+from inference import broker
+from inference.api_errors import ApiError, invalid, unavailable
+from inference.broker import StreamEvent
+from inference.models import InferenceRequest
+from inference.openai_request import ParsedRequest
+from scheduler_daemon import protocol
+
+log = logging.getLogger(__name__)
+
+_EVENT_ID = re.compile(r"^\d+-\d+$")
+BLOCK_MS = 1000  # longest single XREAD BLOCK: the dead-daemon check runs at least this often
+GUARD_GRACE_TICKS = 5  # empty reads to wait for an interrupted event someone else claimed
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A request in the jobs stream, its history row created."""
+
+    request_id: str
+    kind: str
+    model: str
+    created: int  # unix seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A request the daemon answered: ``first`` is its ``accepted`` (or a terminal event)."""
+
+    request_id: str
+    kind: str
+    model: str
+    created: int
+    first: StreamEvent
+
+
+async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
+    """``enqueue`` then ``answer``."""
+    return await answer(await enqueue(api_key, parsed))
+
+
+async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
+    """Create the history row and queue a checked request for a daemon of its model.
+
+    Raises ApiError: 400 unknown model; 503 no live daemon serves it.
+    """
+    live = await broker.live_models()
+    if parsed.model not in live:
+        if parsed.model == settings.MODEL_NAME:
+            raise unavailable(parsed.model)
+        raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
+    row = await _create_row(api_key, parsed)
+    request_id = str(row.id)
+    async with CancelIfAbandoned(request_id):
+        await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
+    return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
+
+
+async def answer(queued: Queued) -> Submission:
+    """Wait for the daemon's first event. Raises ApiError: 503 when no daemon takes the job;
+    the daemon's refusal (queue_full 503, context_length_exceeded 400, ...)."""
+    async with CancelIfAbandoned(queued.request_id):
+        first = await _wait_first(queued.request_id, queued.model)
+    if first.kind == protocol.ERROR:
+        raise ApiError.from_event(first.data)
+    return Submission(queued.request_id, queued.kind, queued.model, queued.created, first)
+
+
+async def _wait_first(request_id: str, model: str) -> StreamEvent:
+    deadline = time.monotonic() + settings.ACCEPT_TIMEOUT_S
+    while True:
+        events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1)
+        if events:
+            return events[0]
+        if model not in await broker.live_models() or time.monotonic() > deadline:
+            await broker.publish_cancel(request_id)  # a daemon that comes later must not run it
+            await close_row(request_id, protocol.SCHEDULER_UNAVAILABLE)
+            raise unavailable(model)
+
+
+async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
+    """The submission's first event, then the rest of its stream (see ``follow``)."""
+    yield submission.first
+    if submission.first.is_terminal:
+        return
+    daemon_id = submission.first.data.get("daemon_id")
+    assert submission.first.entry_id is not None
+    rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id)
+    async with aclosing(rest):
+        async for event in rest:
+            yield event
+
+
+async def follow(request_id: str, after: str, model: str,
+                 daemon_id: str | None = None) -> AsyncIterator[StreamEvent | None]:
+    """Events after ``after`` up to the terminal one; ``None`` after each idle second.
+
+    Ends with a synthetic ``error`` (no entry id) if the request outlives REQUEST_TIMEOUT_S.
+    """
+    if after != "0-0" and await _ended_before(request_id, after):
+        return
+    if daemon_id is None:
+        first = await broker.first_event(request_id)
+        if first is not None and first.kind == protocol.ACCEPTED:
+            daemon_id = first.data.get("daemon_id")
+    deadline = time.monotonic() + settings.REQUEST_TIMEOUT_S
+    guard_ticks = 0
+    while True:
+        batch = await broker.read_events(request_id, after, BLOCK_MS)
+        for event in batch:
+            after = event.entry_id or after
+            if event.kind == protocol.ACCEPTED:
+                daemon_id = event.data.get("daemon_id")
+            yield event
+            if event.is_terminal:
+                return
+        if batch:
+            continue
+        yield None
+        if guard_ticks:
+            guard_ticks += 1
+            if guard_ticks > GUARD_GRACE_TICKS:
+                yield _synthetic_error(protocol.INFERENCE_INTERRUPTED, "The daemon stopped.")
+                return
+        elif not await _serving(daemon_id, model):
+            guard_ticks = await _interrupt(request_id, daemon_id)
+        elif time.monotonic() > deadline:
+            await broker.publish_cancel(request_id)
+            yield _synthetic_error("timeout", "The request took too long and was cancelled.")
+            return
+
+
+async def collect(submission: Submission) -> tuple[str, StreamEvent]:
+    """All text of a request and its terminal event (for non-streaming replies)."""
+    parts: list[str] = []
+    async with CancelIfAbandoned(submission.request_id), aclosing(events(submission)) as stream:
+        async for event in stream:
+            if event is None:
+                continue
+            if event.kind == protocol.TOKEN:
+                parts.append(event.data.get("text", ""))
+            elif event.is_terminal:
+                return "".join(parts), event
+    raise AssertionError("events() ended without a terminal event")  # pragma: no cover
+
+
+async def _serving(daemon_id: str | None, model: str) -> bool:
+    if daemon_id:
+        return await broker.daemon_alive(daemon_id)
+    return model in await broker.live_models()
+
+
+async def _interrupt(request_id: str, daemon_id: str | None) -> int:
+    """Write the interrupted event (if first) and close the row; 1 when someone else won."""
+    who = f"daemon {daemon_id}" if daemon_id else "no scheduler daemon"
+    if daemon_id is None:
+        await broker.publish_cancel(request_id)
+    if await broker.write_interrupted(request_id, f"The request was interrupted: {who} is gone."):
+        await close_row(request_id, protocol.INFERENCE_INTERRUPTED)
+        return 0
+    return 1
+
+
+async def _ended_before(request_id: str, after: str) -> bool:
+    """Whether the stream's terminal event is at or before ``after`` (nothing left to send)."""
+    last = await broker.last_event(request_id)
+    return last is not None and last.is_terminal and _id_key(last.entry_id) <= _id_key(after)
+
+
+def is_event_id(value: object) -> bool:
+    """Whether ``value`` looks like a Redis stream entry id ("1712345678901-0")."""
+    return isinstance(value, str) and bool(_EVENT_ID.match(value))
+
+
+def _id_key(entry_id: str | None) -> tuple[int, int]:
+    ms, _, seq = (entry_id or "0-0").partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _synthetic_error(code: str, message: str) -> StreamEvent:
+    return StreamEvent(None, protocol.ERROR, {"code": code, "message": message})
+
+
+class CancelIfAbandoned:
+    """Publish the request's cancel when its reader goes away before the end (the task is
+    cancelled, e.g. on client disconnect, or the generator is closed early)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    async def __aenter__(self) -> CancelIfAbandoned:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if kind is not None and issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
+            await cancel_quietly(self.request_id)
+
+
+async def cancel_quietly(request_id: str) -> None:
+    """Publish a cancel; never raise (used while unwinding)."""
+    try:
+        await asyncio.wait_for(broker.publish_cancel(request_id), timeout=2)
+    except Exception:  # the client is gone either way; the daemon's timeout is the backstop
+        log.warning("could not publish the cancel of %s", request_id, exc_info=True)
+
+
+# -- history rows ----------------------------------------------------------------------------
+
+
+@database_sync_to_async
+def _create_row(api_key: ApiKey, parsed: ParsedRequest) -> InferenceRequest:
+    return InferenceRequest.objects.create(
+        tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind, model=parsed.model,
+        session=parsed.session,
+    )
+
+
+@database_sync_to_async
+def close_row(request_id: str, error_code: str) -> None:
+    """Close a row the daemon cannot close (it is gone): status error."""
+    InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
+        status=InferenceRequest.Status.ERROR, error_code=error_code, finish_reason="error",
+        finished=timezone.now(),
+    )
+
+
+@database_sync_to_async
+def owned_row(tenant: Tenant, request_id: str) -> InferenceRequest:
+    """The tenant's row, else 404 (another tenant's id looks exactly like an unknown one)."""
+    row = InferenceRequest.objects.for_tenant(tenant).filter(id=request_id).first()
+    if row is None:
+        raise ApiError(404, f"No request with id {request_id}.", "not_found")
+    return row

@@ -1,0 +1,347 @@
+"""A real web server (daphne subprocess) and daemons for the API and websocket tests.
+
+- ``web_server()``: daphne on a free port, its own migrated SQLite file, tenants alpha
+  (owner and member keys) and beta (outsider key). One per test session (module-level
+  singleton: several test modules share it), stopped at exit.
+- ``StandIn``: a pretend daemon inside the test process that heartbeats like a real one
+  and answers jobs by writing protocol events itself. It tests the web's handling of the
+  wire (dead daemons, refusals, resumes) next to, never instead of, the real daemon.
+- ``RealDaemon``: ``manage.py run_scheduler`` with Gemma, sharing the web's database.
+
+Nothing here flushes Redis: the daemons of other tests may be running on it.
+"""
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from scheduler_daemon import protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+RUN_SCHEDULER = ROOT / "scheduler_daemon" / "management" / "commands" / "run_scheduler.py"
+MAKE_KEYS = """
+import json
+from accounts.models import ApiKey, Tenant
+a = Tenant.objects.create(slug="alpha", name="Alpha")
+b = Tenant.objects.create(slug="beta", name="Beta")
+print(json.dumps({"tenant_a": a.id, "owner": ApiKey.issue(a, "owner")[1],
+                  "member": ApiKey.issue(a, "member")[1], "outsider": ApiKey.issue(b, "out")[1]}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WebServer:
+    """daphne serving config.asgi on 127.0.0.1 with its own database."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="web-test-"))
+        self.env = {
+            **os.environ, "REDIS_URL": TEST_REDIS_URL, "DEBUG": "true",
+            "DATABASE_URL": f"sqlite:///{self.tmp / 'web.sqlite3'}",
+            "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
+            "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
+        }
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/ws/v1/stream"
+        self.keys: dict[str, Any] = {}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> WebServer:
+        manage = [sys.executable, "manage.py"]
+        subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=self.env, check=True)
+        made = subprocess.run([*manage, "shell", "-c", MAKE_KEYS], cwd=ROOT, env=self.env,
+                              check=True, capture_output=True, text=True)
+        self.keys = json.loads(made.stdout.strip().splitlines()[-1])
+        log = (self.tmp / "daphne.log").open("ab")
+        argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+                "config.asgi:application"]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/v1/health", timeout=2):
+                    return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daphne did not start:\n{self.log_tail()}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop daphne and remove its files (database, logs)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.tmp / "daphne.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    # -- plain HTTP (http.client: streams SSE line by line) --------------------------------
+
+    def request(self, method: str, path: str, body: Any = None, key: str | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 60) -> Reply:
+        """Send a request; the reply's body is read lazily (``json()``, ``sse()``)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        if key:
+            all_headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=all_headers)
+        return Reply(conn, conn.getresponse())
+
+
+@dataclass
+class Reply:
+    """An HTTP reply whose body is read on demand."""
+
+    conn: http.client.HTTPConnection
+    response: http.client.HTTPResponse
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def header(self, name: str) -> str | None:
+        return self.response.getheader(name)
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.response.read())
+        finally:
+            self.conn.close()
+
+    def sse(self) -> Iterator[tuple[str | None, str]]:
+        """(id, data) of each SSE event, as it arrives; comments are skipped."""
+        event_id, data = None, []
+        while True:
+            line = self.response.readline()
+            if not line:
+                return
+            text = line.decode().rstrip("\r\n")
+            if text.startswith("id: "):
+                event_id = text[4:]
+            elif text.startswith("data: "):
+                data.append(text[6:])
+            elif not text and data:
+                yield event_id, "\n".join(data)
+                event_id, data = None, []
+
+    def close(self) -> None:
+        """Drop the connection (a client going away mid-stream)."""
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+
+
+_web: WebServer | None = None
+
+
+def web_server() -> WebServer:
+    """The session's web server (started on first use)."""
+    global _web
+    if _web is None:
+        _web = WebServer().start()
+        atexit.register(_web.stop)
+    return _web
+
+
+def redis_conn() -> redis.Redis:
+    return redis.Redis.from_url(TEST_REDIS_URL)
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 10, step_s: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {check}")
+        time.sleep(step_s)
+
+
+# -- a stand-in daemon -------------------------------------------------------------------------
+
+
+@dataclass
+class StandIn:
+    """Heartbeats under its own model name; the test answers its jobs by hand."""
+
+    model: str = field(default_factory=lambda: f"standin-{uuid.uuid4().hex[:8]}")
+    daemon_id: str = field(default_factory=lambda: f"standin-{uuid.uuid4().hex[:8]}")
+    redis: redis.Redis = field(default_factory=redis_conn)
+    _beating: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> StandIn:
+        try:
+            self.redis.xgroup_create(protocol.jobs_stream(self.model), protocol.JOBS_GROUP,
+                                     id="0", mkstream=True)
+        except redis.ResponseError:
+            pass
+        self._beating.set()
+        self._heartbeat()
+        threading.Thread(target=self._beat, daemon=True).start()
+        return self
+
+    def _heartbeat(self) -> None:
+        now = time.time()
+        snap = {"daemon_id": self.daemon_id, "model": self.model, "started_at": now,
+                "heartbeat_at": now, "config": {"n_parallel": 1, "n_ctx": 2048},
+                "slots": [{"id": 0, "state": "idle"}], "queue": [], "counters": {}}
+        self.redis.set(protocol.daemon_key(self.daemon_id), json.dumps(snap),
+                       px=int(protocol.HEARTBEAT_TTL_S * 1000))
+        self.redis.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: now})
+
+    def _beat(self) -> None:
+        while self._beating.is_set():
+            self._heartbeat()
+            time.sleep(0.5)
+
+    def die(self) -> None:
+        """Stop heartbeating, as a killed process would: the key expires within 3 s."""
+        self._beating.clear()
+
+    def stop(self) -> None:
+        self._beating.clear()
+        self.redis.delete(protocol.daemon_key(self.daemon_id), protocol.jobs_stream(self.model))
+        self.redis.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+
+    def next_job(self, timeout_s: float = 10) -> protocol.Job:
+        reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
+                                      {protocol.jobs_stream(self.model): ">"}, count=1,
+                                      block=int(timeout_s * 1000))
+        assert reply, f"no job for {self.model} within {timeout_s} s"
+        return protocol.Job.decode(reply[0][1][0][1])
+
+    def emit(self, request_id: str, kind: str, data: dict[str, Any]) -> str:
+        entry = self.redis.xadd(protocol.events_stream(request_id),
+                                protocol.encode_event(kind, data))
+        return entry.decode()
+
+    def accept(self, job: protocol.Job, prompt_tokens: int = 5) -> str:
+        return self.emit(job.id, protocol.ACCEPTED, {
+            "daemon_id": self.daemon_id, "prompt_tokens": prompt_tokens, "model": self.model})
+
+    def finish(self, job: protocol.Job, reason: str = "stop", completion_tokens: int = 2,
+               cached_tokens: int = 0) -> str:
+        return self.emit(job.id, protocol.DONE, {
+            "finish_reason": reason, "stop": None, "timings": {},
+            "usage": protocol.usage(5, cached_tokens, completion_tokens)})
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return bool(self.redis.exists(protocol.cancel_key(request_id)))
+
+    def serve(self, handler: Callable[[StandIn, protocol.Job], None],
+              jobs: int = 1) -> threading.Thread:
+        """Answer the next ``jobs`` jobs with ``handler`` on a background thread."""
+
+        def run() -> None:
+            for _ in range(jobs):
+                handler(self, self.next_job(timeout_s=30))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+
+def echo(standin: StandIn, job: protocol.Job) -> None:
+    """Accept, send "Hello" and " world" as two token events, finish with usage."""
+    standin.accept(job)
+    standin.emit(job.id, protocol.TOKEN, {"text": "Hello", "n_tokens": 1})
+    standin.emit(job.id, protocol.TOKEN, {"text": " world", "n_tokens": 1})
+    standin.finish(job, cached_tokens=3)
+
+
+# -- a real daemon -------------------------------------------------------------------------------
+
+
+class RealDaemon:
+    """``manage.py run_scheduler`` (Gemma) on the web server's database and the test Redis."""
+
+    def __init__(self, web: WebServer, model: str, **settings: str) -> None:
+        self.model = model
+        self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
+        self.env = {**web.env, "MODEL_NAME": model, **settings}
+        self.log_path = web.tmp / f"{model}.log"
+        self.proc: subprocess.Popen | None = None
+        self.redis = redis_conn()
+
+    def start(self, timeout_s: float = 180) -> RealDaemon:
+        self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
+        argv = [sys.executable, "manage.py", "run_scheduler", "--grace", "5",
+                "--daemon-id", self.daemon_id]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self.redis.exists(protocol.daemon_key(self.daemon_id)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"run_scheduler did not start:\n{self.log_tail()}")
+            time.sleep(0.2)
+        return self
+
+    def snapshot(self) -> dict[str, Any]:
+        raw = self.redis.get(protocol.daemon_key(self.daemon_id))
+        return json.loads(raw) if raw else {}
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, the heartbeat key just expires."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM (drain), SIGKILL after 30 s; then drop the model's jobs stream."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.redis.delete(protocol.jobs_stream(self.model))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+_daemons: dict[str, RealDaemon] = {}
+
+
+def shared_daemon(web: WebServer, role: str = "main") -> RealDaemon:
+    """The session's daemon for ``role`` (N_CTX 2048, N_PARALLEL 2), started on first use.
+    Its model name is unique to this session, so no other test's jobs reach it."""
+    if role not in _daemons:
+        _daemons[role] = RealDaemon(web, f"gemma-{role}-{uuid.uuid4().hex[:6]}").start()
+        atexit.register(_daemons[role].stop)
+    return _daemons[role]

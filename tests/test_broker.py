@@ -1,0 +1,122 @@
+"""inference.broker and the stream follower against a real Redis (no daemon, no web server)."""
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from inference import broker, service
+from scheduler_daemon import protocol
+from tests.live_service import StandIn, redis_conn
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def r():
+    return redis_conn()
+
+
+@pytest.fixture
+def request_id(r):
+    rid = str(uuid.uuid4())
+    yield rid
+    r.delete(protocol.events_stream(rid), protocol.cancel_key(rid), protocol.interrupted_key(rid))
+
+
+async def test_live_daemons_skips_expired_snapshots(r):
+    alive, dead = StandIn().start(), StandIn()
+    r.zadd(protocol.DAEMONS_ZSET, {dead.daemon_id: time.time()})  # listed, but no key
+    try:
+        models = await broker.live_models()
+        assert alive.model in models and dead.model not in models
+        assert await broker.daemon_alive(alive.daemon_id)
+        assert not await broker.daemon_alive(dead.daemon_id)
+        assert alive.daemon_id in {d["daemon_id"] for d in broker.live_daemons_sync()}
+    finally:
+        alive.stop()
+        r.zrem(protocol.DAEMONS_ZSET, dead.daemon_id)
+
+
+async def test_publish_cancel_sets_the_flag_and_notifies(r, request_id):
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(protocol.CANCEL_CHANNEL)
+    await broker.publish_cancel(request_id)
+    assert 0 < r.ttl(protocol.cancel_key(request_id)) <= protocol.CANCEL_TTL_S
+    deadline, seen = time.monotonic() + 3, []
+    while request_id not in seen and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)  # None for the subscribe confirmation
+        if message:
+            seen.append(message["data"].decode())  # other tests may cancel too
+    pubsub.close()
+    assert request_id in seen
+
+
+async def test_write_interrupted_is_written_once(r, request_id):
+    assert await broker.write_interrupted(request_id, "gone")
+    assert not await broker.write_interrupted(request_id, "gone again")
+    entries = r.xrange(protocol.events_stream(request_id))
+    assert len(entries) == 1
+    kind, data = protocol.decode_event(entries[0][1])
+    assert (kind, data["code"]) == ("error", "inference_interrupted")
+    assert 0 < r.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+
+
+async def test_enqueue_and_read_events(r, request_id):
+    job = protocol.Job(id=request_id, kind="completion", model=f"m-{uuid.uuid4().hex[:6]}",
+                       tenant_id="1", cache_scope="1", prompt="hi")
+    await broker.enqueue(job)
+    entries = r.xrange(protocol.jobs_stream(job.model))
+    assert protocol.Job.decode(entries[0][1]) == job
+    r.delete(protocol.jobs_stream(job.model))
+    standin = StandIn()
+    first = standin.accept(job)
+    assert await broker.read_events(request_id, first, block_ms=10) == []
+    token = standin.emit(request_id, "token", {"text": "a", "n_tokens": 1})
+    events = await broker.read_events(request_id, "0-0", block_ms=10)
+    assert [(e.entry_id, e.kind) for e in events] == [(first, "accepted"), (token, "token")]
+    assert (await broker.first_event(request_id)).entry_id == first
+    assert (await broker.last_event(request_id)).entry_id == token
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_follow_ends_with_interrupted_when_the_daemon_dies(r, request_id):
+    standin = StandIn().start()
+    job = protocol.Job(id=request_id, kind="completion", model=standin.model, tenant_id="1",
+                       cache_scope="1", prompt="hi")
+    accepted = standin.accept(job)
+    standin.emit(request_id, "token", {"text": "a", "n_tokens": 1})
+    standin.die()
+    t0 = time.monotonic()
+    try:
+        seen = [e async for e in service.follow(request_id, accepted, standin.model) if e]
+    finally:
+        standin.stop()
+    assert [e.kind for e in seen] == ["token", "error"]
+    assert seen[-1].data["code"] == "inference_interrupted" and seen[-1].entry_id
+    assert time.monotonic() - t0 < protocol.HEARTBEAT_TTL_S + 3
+
+
+async def test_follow_from_a_finished_point_returns_at_once(r, request_id):
+    standin = StandIn()
+    job = protocol.Job(id=request_id, kind="completion", model="m", tenant_id="1",
+                       cache_scope="1", prompt="hi")
+    standin.accept(job)
+    done = standin.finish(job)
+    t0 = time.monotonic()
+    assert [e async for e in service.follow(request_id, done, "m")] == []
+    assert time.monotonic() - t0 < 0.5
+
+
+async def test_cancel_if_abandoned_publishes_when_the_reader_is_cancelled(r, request_id):
+    async def reader() -> None:
+        async with service.CancelIfAbandoned(request_id):
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert r.exists(protocol.cancel_key(request_id))
+
