@@ -199,7 +199,8 @@ def stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]]) -> None:
+def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]], scheduler: bool) -> None:
+    """Wait for /v1/health; with a daemon started, until it reports the scheduler up too."""
     deadline = time.monotonic() + HEALTH_WAIT_S
     while time.monotonic() < deadline:
         for name, proc in procs:
@@ -207,9 +208,10 @@ def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]]) -> None:
                 raise ChildProcessError(f"{name} exited with status {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
+                report = json.loads(response.read() or b"{}")
+                if response.status == 200 and (not scheduler or report.get("scheduler") == "ok"):
                     return
-        except OSError:
+        except (OSError, ValueError):
             pass
         time.sleep(0.5)
     raise ChildProcessError(f"{url} did not answer within {HEALTH_WAIT_S:.0f}s")
@@ -250,7 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]
         procs.append(start("daphne", daphne))
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        wait_healthy(f"{base}/v1/health", procs)
+        wait_healthy(f"{base}/v1/health", procs, scheduler=RUN_SCHEDULER.exists())
         say(f"Ready. API base: {base}/v1")
         say(f"Playground: {base}/playground/   Admin: {base}/admin/   (Ctrl-C stops everything)")
         say("Try it:")
