@@ -69,6 +69,26 @@ def control_stream(daemon_id: str) -> str:
     return f"{PREFIX}:control:{daemon_id}"
 
 
+# Operator commands on a daemon's control stream (field ``command`` = JSON):
+#   {"action": "drain"}                       stop taking jobs; in-flight ones finish
+#   {"action": "resume"}                      take jobs again after a drain
+#   {"action": "evict_scope", "scope": "42"}  drop one tenant's cached prefixes, every tier
+# Cancelling a request needs no daemon command: publish it like any cancel.
+CONTROL_ACTIONS = frozenset({"drain", "resume", "evict_scope"})
+
+
+def encode_command(action: str, **args: Any) -> dict[str, str]:
+    """Fields for an XADD to ``control_stream(daemon_id)``."""
+    if action not in CONTROL_ACTIONS:
+        raise ValueError(f"unknown control action {action!r}")
+    return {"command": json.dumps({"action": action, **args}, separators=(",", ":"))}
+
+
+def decode_command(fields: dict[Any, Any]) -> dict[str, Any]:
+    raw = fields.get(b"command", fields.get("command"))
+    return json.loads(raw)
+
+
 def interrupted_key(request_id: str) -> str:
     """SET NX guard so that only one party writes a request's inference_interrupted event."""
     return f"{PREFIX}:interrupted:{request_id}"

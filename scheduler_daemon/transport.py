@@ -4,6 +4,7 @@ Threads, besides the core's scheduler loop:
 - intake:  XREADGROUP on the model's jobs stream; checks the durable cancel flag; submits
            to the core; refusals become ``error`` events with the HTTP status to answer.
 - cancels: pub/sub on ``llm:cancel``; cancels in-flight work at once (abort mid-prefill).
+- control: operator commands on ``llm:control:<daemon id>`` (drain, resume, evict a scope).
 - writer:  one pipeline per tick with every request's new events (tokens coalesced), the
            XACK of finished jobs, history rows, the heartbeat snapshot, and reclaiming the
            jobs of dead daemons.
@@ -69,6 +70,7 @@ class DaemonTransport:
         self._buffer = _Buffer()
         self._cond = threading.Condition()
         self._intake_open = threading.Event()
+        self.draining = False  # an operator's drain: jobs stay in the stream for other daemons
         self._running = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_heartbeat = 0.0
@@ -91,7 +93,7 @@ class DaemonTransport:
         self._running.set()
         self._intake_open.set()
         self._heartbeat()
-        for target in (self._intake_loop, self._cancel_loop, self._writer_loop):
+        for target in (self._intake_loop, self._cancel_loop, self._control_loop, self._writer_loop):
             thread = threading.Thread(target=target, name=target.__name__.strip("_"), daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -119,6 +121,9 @@ class DaemonTransport:
 
     def _intake_loop(self) -> None:
         while self._intake_open.is_set():
+            if self.draining:
+                time.sleep(0.2)
+                continue
             try:
                 reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
                                               {self.jobs_stream: ">"}, count=INTAKE_BATCH, block=500)
@@ -192,6 +197,40 @@ class DaemonTransport:
                     self.core.cancel(_text(message["data"]))
         finally:
             pubsub.close()
+
+    # -- operator commands ------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        stream, last = protocol.control_stream(self.daemon_id), "$"
+        while self._running.is_set():
+            try:
+                reply = self.redis.xread({stream: last}, block=500)
+            except redis.RedisError:
+                log.exception("reading control commands failed; retrying in 1 s")
+                time.sleep(1)
+                continue
+            for _name, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = _text(entry_id)
+                    try:
+                        self.apply_command(protocol.decode_command(fields))
+                    except (KeyError, TypeError, ValueError):
+                        log.exception("ignoring a malformed control command")
+
+    def apply_command(self, command: dict[str, Any]) -> None:
+        """Carry out one operator command (see protocol.CONTROL_ACTIONS)."""
+        action = command["action"]
+        log.warning("operator command: %s", command)
+        if action == "drain":
+            self.draining = True
+        elif action == "resume":
+            self.draining = False
+        elif action == "evict_scope":
+            evicted = self.core.scheduler.evict_scope(str(command["scope"]))
+            log.warning("evicted %s cached prefix entries of scope %s", evicted, command["scope"])
+        else:
+            raise ValueError(f"unknown control action {action!r}")
+        self._heartbeat()  # the admin sees the effect at once
 
     # -- events out -------------------------------------------------------------------------
 
@@ -279,6 +318,7 @@ class DaemonTransport:
             "started_at": self.started_at,
             "heartbeat_at": time.time(),
             "config": self.config_info,
+            "draining": self.draining,
             **self.core.snapshot(),
         }
 
