@@ -30,6 +30,7 @@ from .jobs import Event, FinishedEvent, TokenEvent
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request
 
 RECLAIM_INTERVAL_S = 5.0
 INTAKE_BATCH = 16
@@ -67,10 +68,12 @@ class DaemonTransport:
         self.started_at = time.time()
         self.jobs_stream = protocol.jobs_stream(model)
         self._entries: dict[str, str] = {}  # request id -> jobs-stream entry id
+        self._tenants: dict[str, str] = {}  # request id -> tenant id, for the request log
         self._buffer = _Buffer()
         self._cond = threading.Condition()
         self._intake_open = threading.Event()
         self.draining = False  # an operator's drain: jobs stay in the stream for other daemons
+        self._intake_paused = threading.Event()  # set while the intake honours a drain
         self._running = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_heartbeat = 0.0
@@ -122,8 +125,10 @@ class DaemonTransport:
     def _intake_loop(self) -> None:
         while self._intake_open.is_set():
             if self.draining:
-                time.sleep(0.2)
+                self._intake_paused.set()
+                time.sleep(0.1)
                 continue
+            self._intake_paused.clear()
             try:
                 reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
                                               {self.jobs_stream: ">"}, count=INTAKE_BATCH, block=500)
@@ -150,6 +155,7 @@ class DaemonTransport:
             log.error("dropping malformed job entry %s", entry_id)
             self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
             return
+        self._tenants[job.id] = job.tenant_id
         if self.redis.exists(protocol.cancel_key(job.id)):
             self._queue_terminal(job.id, entry_id, protocol.DONE, _cancelled_before_start())
             return
@@ -223,6 +229,7 @@ class DaemonTransport:
         log.warning("operator command: %s", command)
         if action == "drain":
             self.draining = True
+            self._intake_paused.wait(timeout=2)  # a read already blocking may still deliver
         elif action == "resume":
             self.draining = False
         elif action == "evict_scope":
@@ -291,6 +298,7 @@ class DaemonTransport:
                     item.request_id, item.data.get("finish_reason", "error"), item.data.get("usage"),
                     item.data.get("timings"), error_code=item.data.get("code", ""),
                 )
+                self._log_end(item)
         pipe = self.redis.pipeline(transaction=False)
         for item in _coalesce(items):
             stream = protocol.events_stream(item.request_id)
@@ -305,6 +313,19 @@ class DaemonTransport:
         for item in items:
             if item.kind == protocol.ACCEPTED:
                 history.mark_running(item.request_id, item.data["prompt_tokens"])
+
+    def _log_end(self, item: _Outgoing) -> None:
+        usage = item.data.get("usage") or {}
+        timings = item.data.get("timings") or {}
+        request_log.info(json.dumps({
+            "event": "request_end", "request_id": item.request_id,
+            "tenant_id": self._tenants.pop(item.request_id, None), "model": self.model,
+            "daemon_id": self.daemon_id, "finish_reason": item.data.get("finish_reason", "error"),
+            "error_code": item.data.get("code"), "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "ttft_ms": timings.get("ttft_ms"), "duration_ms": timings.get("duration_ms"),
+        }, separators=(",", ":")))
 
     # -- heartbeat and dead daemons -----------------------------------------------------------
 
@@ -367,6 +388,7 @@ class DaemonTransport:
             self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
         elif kinds:
             if self.redis.set(protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S):
+                self._tenants[job.id] = job.tenant_id
                 self._queue_terminal(job.id, entry_id, protocol.ERROR, {
                     "code": protocol.INFERENCE_INTERRUPTED,
                     "message": f"the scheduler daemon {dead} stopped while serving this request",

@@ -1,6 +1,7 @@
 """The scheduler daemon end to end: real Redis, real ``run_scheduler`` process, real Gemma."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 import uuid
@@ -42,6 +43,11 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert row["prompt_tokens"] == 6 and row["ttft_ms"] > 0 and row["finished"]
     pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0  # acknowledged once its last event was written
+    [line] = [json.loads(line.split("scheduler_daemon.requests: ", 1)[1])
+              for line in daemon.log_path.read_text().splitlines() if request_id in line and "request_end" in line]
+    assert line["tenant_id"] == "1" and line["completion_tokens"] == usage["completion_tokens"]
+    assert line["finish_reason"] == done["finish_reason"] and line["ttft_ms"] > 0
+    assert "France" not in json.dumps(line)  # no prompt text in the request log
 
 
 def test_chat_job_uses_the_cache_scope(daemon):
@@ -140,3 +146,41 @@ def test_a_killed_daemons_jobs_are_failed_and_a_restart_serves_the_queue(make_da
     assert second.events(queued.id)[-1][1] == "done"
     pending = second.redis.xpending(protocol.jobs_stream(first.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0
+
+
+def send(daemon, action: str, **args) -> None:
+    daemon.redis.xadd(protocol.control_stream(daemon.daemon_id), protocol.encode_command(action, **args))
+
+
+def wait_snapshot(daemon, predicate, timeout_s: float = 15) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        snap = daemon.snapshot()
+        if snap and predicate(snap):
+            return snap
+        time.sleep(0.1)
+    raise AssertionError(f"snapshot never matched: {daemon.snapshot()}")
+
+
+def test_drain_leaves_jobs_in_the_stream_until_resume(daemon):
+    send(daemon, "drain")
+    wait_snapshot(daemon, lambda s: s["draining"])
+    job = daemon.enqueue(prompt="The capital of France is", params=GREEDY)
+    time.sleep(1.5)  # several intake polls
+    assert not daemon.redis.exists(protocol.events_stream(job.id))  # not taken while draining
+    send(daemon, "resume")
+    assert daemon.events(job.id)[-1][1] == "done"
+    assert not daemon.snapshot()["draining"]
+
+
+def test_evict_scope_drops_only_that_tenants_cached_prefixes(daemon):
+    messages = [{"role": "user", "content": "A message long enough to leave a cached prefix behind."}]
+    for scope in ("evict-me", "keep-me"):
+        daemon.events(daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope=scope).id)
+    scopes = lambda s: {e["cache_scope"] for e in s["cache"]["entries"]}  # noqa: E731
+    wait_snapshot(daemon, lambda s: {"evict-me", "keep-me"} <= scopes(s))
+    send(daemon, "evict_scope", scope="evict-me")
+    snap = wait_snapshot(daemon, lambda s: "evict-me" not in scopes(s))
+    assert "keep-me" in scopes(snap)
+    again = daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope="evict-me")
+    assert daemon.events(again.id)[-1][2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
