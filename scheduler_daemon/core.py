@@ -106,6 +106,8 @@ class InferenceCore:
         config = SchedulerConfig(
             chunk_size=get("CHUNK_SIZE"), max_queue=get("MAX_QUEUE"),
             kv_block_tokens=get("KV_BLOCK_TOKENS"), cache_prompt=get("CACHE_PROMPT"),
+            ram_cache_bytes=get("PROMPT_CACHE_RAM_MB") * 2**20,
+            ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
         )
         return cls(engine, config, chat_template=get("CHAT_TEMPLATE") or "")
 

@@ -139,6 +139,7 @@ class LlamaEngine:
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         self.n_batch = lc.llama_n_batch(self._ctx)
         self.n_seq_max = lc.llama_n_seq_max(self._ctx)
+        self.n_swa = max(0, int(lc.llama_model_n_swa(self._model)))  # sliding window; 0: none
         self.architecture = self._meta("general.architecture") or "unknown"
         self._batch = _Batch(self.n_batch)
         self._positions = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
@@ -151,6 +152,7 @@ class LlamaEngine:
         self.abort_requested = False
         self._abort_callback = lc.ggml_abort_callback(lambda _data: self.abort_requested)
         self._abort_installed = False
+        self.kv_bytes_per_token = self._measure_kv_bytes_per_token()
         log.info(
             "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
             self.architecture, self.n_vocab, self.n_ctx, self.n_batch, self.n_seq_max,
@@ -240,6 +242,48 @@ class LlamaEngine:
 
     def kv_pos_max(self, seq_id: int) -> int:
         return int(lc.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def kv_prefix_intact(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether the sequence's cells can serve positions [0, n_tokens): continue at
+        ``n_tokens`` after a cut, or be copied up to it.
+
+        Sliding-window layers may have let go of cells older than the window (llama.cpp
+        reuses masked cells, and a saved state keeps only the last window); going on at
+        ``n_tokens`` needs the window before it (llama-server's test).
+        """
+        if n_tokens == 0:
+            return True
+        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, seq_id))
+        if pos_min < 0 or self.kv_pos_max(seq_id) < n_tokens - 1:
+            return False
+        return pos_min <= (max(0, n_tokens - self.n_swa) if self.n_swa else 0)
+
+    # -- sequence state (the RAM prompt cache) --------------------------------------
+
+    def state_size(self, seq_id: int) -> int:
+        """Bytes ``state_save`` needs for this sequence (asked before allocating anything)."""
+        return int(lc.llama_state_seq_get_size(self._ctx, seq_id))
+
+    def state_save(self, seq_id: int, size_bytes: int) -> ctypes.Array | None:
+        """The sequence's KV cells, serialized into a buffer of ``size_bytes``; None on failure."""
+        buf = (ctypes.c_uint8 * size_bytes)()
+        written = lc.llama_state_seq_get_data(self._ctx, buf, size_bytes, seq_id)
+        return buf if written == size_bytes else None
+
+    def state_restore(self, seq_id: int, data: ctypes.Array) -> bool:
+        """Replace the sequence's cells with a saved state; False (sequence emptied) on failure."""
+        return lc.llama_state_seq_set_data(self._ctx, data, len(data), seq_id) > 0
+
+    def _measure_kv_bytes_per_token(self) -> int:
+        """One token's share of a saved sequence state (for cache listings): a 2-token probe."""
+        token = max(0, self.bos_token)
+        if self.decode([BatchRow(0, (token, token), 0, True)]) != DECODE_OK:
+            return 0
+        two = self.state_size(0)
+        self.kv_remove(0, 1, -1)
+        one = self.state_size(0)
+        self.kv_remove(0, 0, -1)
+        return max(0, two - one)
 
     # -- samplers ------------------------------------------------------------------
 

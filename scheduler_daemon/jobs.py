@@ -88,6 +88,7 @@ class Job:
     output: list[int] = field(default_factory=list)
     unsent_tokens: int = 0  # tokens generated since the last TokenEvent
     cached_tokens: int = 0
+    passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
     t_started: float | None = None
     t_first_token: float | None = None
 
@@ -100,8 +101,10 @@ class Slot:
     state: SlotState = SlotState.IDLE
     job: Job | None = None
     tokens: list[int] = field(default_factory=list)
-    scope: str | None = None
+    scope: str | None = None  # whose cached prefix ``tokens`` is; None: not reusable
+    session: str | None = None  # the conversation pinned here while the slot is free
     last_used: float = 0.0
+    cache_hits: int = 0  # reuses of the cached prefix it holds
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,6 +153,22 @@ class TickStats:
     queue_depth: int
     eval_ms: float
     kv_retries: int
+
+
+@dataclass(slots=True, frozen=True)
+class CacheEvent:
+    """Something the prefix cache did (for logs, counters and the daemon's state). No token ids.
+
+    ``kind``: save / restore / evict / reject (RAM tier), or prefix_instability (a request
+    matched only 10-50% of a slot's cached history, which then has ``history_tokens``).
+    """
+
+    kind: str
+    cache_scope: str
+    n_tokens: int
+    size_bytes: int = 0
+    request_id: str | None = None
+    history_tokens: int = 0
 
 
 Event = TokenEvent | FinishedEvent

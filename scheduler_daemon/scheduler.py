@@ -8,6 +8,7 @@ flag and rolled back, never changed from another thread mid-decode.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -21,17 +22,24 @@ from . import errors
 from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
 from .errors import Refusal
 from .jobs import (
-    FINISH_REASON, Event, FinishedEvent, Job, Request, RequestStats, Sampler, Slot, SlotState,
-    Status, TickStats, TokenEvent,
+    FINISH_REASON, CacheEvent, Event, FinishedEvent, Job, Request, RequestStats, Sampler, Slot,
+    SlotState, Status, TickStats, TokenEvent,
 )
+from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
+from .ram_cache import RamCache
 from .sampling import SamplingParams
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
 
-class Engine(Protocol):
-    """What the scheduler needs from an engine."""
+# A prefilling request waits a tick rather than compute this many prompt tokens that
+# another slot of its scope is computing in the same batch (it adopts them next tick).
+SHARED_PREFILL_MIN_TOKENS = 16
+
+
+class Engine(CacheEngine, Protocol):
+    """What the scheduler needs from an engine (the prefix cache's needs included)."""
 
     n_ctx: int
     n_batch: int
@@ -56,6 +64,11 @@ class SchedulerConfig:
     default_max_tokens: int = 512
     cache_prompt: bool = True
     abort_min_tokens: int = 64  # batches this large can be aborted mid-decode by a cancel
+    cross_slot: bool = True  # adopt a same-scope prefix from another slot (llama_memory_seq_cp)
+    ram_cache_bytes: int = 256 * 2**20  # RAM prompt cache budget (PROMPT_CACHE_RAM_MB); 0: off
+    ram_tenant_share: float = 1.0  # most of that budget one cache_scope may hold
+    ram_min_tokens: int = 16  # shorter cached prefixes are not worth a RAM entry
+    session_max_bypass: int = 4  # session requests that may go ahead of one queue head
 
 
 @dataclass(slots=True)
@@ -75,6 +88,7 @@ class Scheduler:
         on_event: Callable[[Event], None],
         on_tick: Callable[[TickStats], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_cache_event: Callable[[CacheEvent], None] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -96,6 +110,13 @@ class Scheduler:
         self._tick = 0
         self._admitting = True
         self.counters: Counter[str] = Counter()
+        self.on_cache_event = on_cache_event  # may be set later; runs with the lock held
+        ram = None
+        if config.ram_cache_bytes > 0:
+            ram = RamCache(config.ram_cache_bytes, config.ram_tenant_share,
+                           partial_max_tokens=engine.n_swa)
+        self.cache = PrefixCache(engine, ram, config.cross_slot, config.ram_min_tokens,
+                                 self.counters, self._cache_event, clock)
         for slot in self._slots:  # a new scheduler owns the context: start from empty sequences
             engine.kv_remove(slot.seq_id, 0, -1)
 
@@ -175,9 +196,19 @@ class Scheduler:
             self._cancels.clear()
             for job in list(self._jobs.values()):
                 if job.slot is not None:
-                    self.engine.kv_remove(job.slot.seq_id, 0, -1)
-                    job.slot.tokens.clear()
+                    self._forget(job.slot)
                 self._finish(job, Status.FINISHED_ERROR, {"code": code, "message": message})
+
+    def evict_scope(self, cache_scope: str) -> int:
+        """Forget one scope's cached prefixes in idle slots and the RAM tier; returns how
+        many entries went. Slots still serving a request of that scope are left alone."""
+        with self._lock:
+            idle = [s for s in self._slots
+                    if s.state is SlotState.IDLE and s.scope == cache_scope and s.tokens]
+            for slot in idle:
+                self._forget(slot)
+            ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
+            return len(idle) + ram
 
     def has_work(self) -> bool:
         with self._lock:
@@ -210,6 +241,7 @@ class Scheduler:
                 },
                 "admitting": self._admitting,
                 "counters": dict(self.counters),
+                "cache": {**self.cache.summary(), "entries": self.cache.entries(self._slots, now)},
             }
 
     # -- the loop thread ----------------------------------------------------------
@@ -292,8 +324,11 @@ class Scheduler:
         self._cancels.clear()
 
     def _admit(self) -> None:
-        """Strict FIFO: the head waits for blocks and a slot; nobody overtakes it."""
+        """Strict FIFO: the head waits for blocks and a slot; nobody overtakes it, except a
+        session's request onto its own free slot, at most ``session_max_bypass`` times per head."""
         while self._waiting:
+            if self._admit_session():
+                continue
             job = self._waiting[0]
             if self._used_blocks + job.blocks > self._total_blocks:
                 return
@@ -303,31 +338,52 @@ class Scheduler:
             self._waiting.popleft()
             self._assign(job, slot)
 
+    def _admit_session(self) -> bool:
+        """A queued request whose session's slot is free takes it now if the KV budget allows."""
+        head = self._waiting[0]
+        if head.passed_over >= self.config.session_max_bypass:
+            return False  # this head has been passed over enough: it goes next
+        pinned = {(s.scope, s.session): s for s in self._slots
+                  if s.state is SlotState.IDLE and s.session is not None}
+        if not pinned:
+            return False
+        for job in itertools.islice(self._waiting, 1, None):
+            slot = pinned.get((job.cache_scope, job.session))
+            fits = self._used_blocks + job.blocks <= self._total_blocks
+            if slot is not None and job.cache_prompt and fits:
+                self._waiting.remove(job)
+                head.passed_over += 1
+                self.counters["session_bypasses"] += 1
+                self._assign(job, slot)
+                return True
+        return False
+
     def _choose_slot(self, job: Job) -> Slot | None:
-        """Longest same-scope cached prefix if it covers >10% of the prompt, else LRU."""
+        """The session's own free slot; else, among free slots (those pinned to a session only
+        if no other is free), the one whose same-scope cached prefix is longest if it covers
+        > 10% of the prompt; else an empty slot; else the least recently used."""
         free = [s for s in self._slots if s.state is SlotState.IDLE]
         if not free:
             return None
+        if job.cache_prompt and job.session is not None:
+            for s in free:
+                if (s.scope, s.session) == (job.cache_scope, job.session):
+                    return s
+        free = [s for s in free if s.session is None] or free
         if job.cache_prompt:
-            scoped = [s for s in free if s.scope == job.cache_scope and s.tokens]
+            scoped = [(common_prefix_len(s.tokens, job.prompt), -len(s.tokens), s)
+                      for s in free if s.scope == job.cache_scope and s.tokens]
             if scoped:
-                best = max(scoped, key=lambda s: common_prefix_len(s.tokens, job.prompt))
-                if common_prefix_len(best.tokens, job.prompt) > 0.1 * len(job.prompt):
+                n, _, best = max(scoped, key=lambda m: m[:2])  # ties: the one that loses the least
+                if n > 0.1 * len(job.prompt):
                     return best
-        return min(free, key=lambda s: s.last_used)
+        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
 
     def _assign(self, job: Job, slot: Slot) -> None:
-        keep = 0
-        if job.cache_prompt and slot.scope == job.cache_scope:
-            # always leave the last prompt token to evaluate, so there are logits to sample
-            keep = min(common_prefix_len(slot.tokens, job.prompt), len(job.prompt) - 1)
-        if keep < len(slot.tokens):
-            if not self.engine.kv_remove(slot.seq_id, keep, -1):
-                self.engine.kv_remove(slot.seq_id, 0, -1)
-                keep = 0
-            del slot.tokens[keep:]
-        slot.scope, slot.job, slot.state = job.cache_scope, job, SlotState.PREFILLING
-        job.slot, job.status, job.cached_tokens = slot, Status.PREFILLING, keep
+        self.cache.prepare(job, slot, self._slots)  # sets job.cached_tokens and slot.tokens/scope
+        slot.job, slot.state = job, SlotState.PREFILLING
+        slot.session = job.session if job.cache_prompt else None
+        job.slot, job.status = slot, Status.PREFILLING
         job.t_started = self._clock()
         self._used_blocks += job.blocks
 
@@ -352,12 +408,28 @@ class Scheduler:
             if room <= 0:
                 break
             job = slot.job
+            if job.cache_prompt and self.config.cross_slot:
+                self.cache.catch_up(job, slot, self._slots)
+                if self._computed_by_another(job, len(slot.tokens), plan):
+                    continue
             done = len(slot.tokens)
             take = min(self.config.chunk_size, room, len(job.prompt) - done)
             last = done + take == len(job.prompt)
             plan.append(_Planned(slot, job, BatchRow(slot.seq_id, job.prompt[done:done + take], done, last)))
             used += take
         return plan
+
+    @staticmethod
+    def _computed_by_another(job: Job, done: int, plan: list[_Planned]) -> bool:
+        """Whether a prefill row already in this tick computes the next tokens of the prompt."""
+        for p in plan:
+            leads = p.job.status is Status.PREFILLING and p.slot.scope == job.cache_scope
+            if leads and p.row.pos0 <= done:
+                end = p.row.pos0 + len(p.row.tokens)
+                shared = min(common_prefix_len(p.job.prompt, job.prompt), end)
+                if shared - done >= SHARED_PREFILL_MIN_TOKENS:
+                    return True
+        return False
 
     def _after_decode(self, plan: list[_Planned], rows: list[BatchRow], n_tokens: int,
                       eval_ms: float, retries: int) -> TickStats:
@@ -419,15 +491,26 @@ class Scheduler:
         self.counters["prompt_tokens"] += stats.prompt_tokens
         self.counters["cached_tokens"] += stats.cached_tokens
         self.counters["completion_tokens"] += stats.completion_tokens
-        log.info("request %s finished: %s %s", job.id, reason, stats)
+        log.debug("request %s finished: %s %s", job.id, reason, stats)  # the daemon logs JSON
         self._emit(FinishedEvent(job.id, reason, stats, stop=job.text.stopped_by, error=error))
 
     def _release(self, slot: Slot, keep_cache: bool) -> None:
         slot.job, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
         if not keep_cache:
-            self.engine.kv_remove(slot.seq_id, 0, -1)
-            slot.tokens.clear()
-            slot.scope = None
+            self._forget(slot)
+
+    def _forget(self, slot: Slot) -> None:
+        self.engine.kv_remove(slot.seq_id, 0, -1)
+        slot.tokens.clear()
+        slot.scope = slot.session = None
+        slot.cache_hits = 0
+
+    def _cache_event(self, event: CacheEvent) -> None:
+        if self.on_cache_event is not None:
+            try:
+                self.on_cache_event(event)
+            except Exception:  # a publishing hook must never break a tick
+                log.exception("on_cache_event hook failed")
 
     def _stats(self, job: Job, now: float) -> RequestStats:
         first, started = job.t_first_token, job.t_started
@@ -455,9 +538,8 @@ class Scheduler:
         purged = False
         for slot in self._slots:
             if slot.state is SlotState.IDLE and slot.tokens:
-                self.engine.kv_remove(slot.seq_id, 0, -1)
-                slot.tokens.clear()
-                slot.scope = None
+                self.cache.preserve(slot, self._slots)
+                self._forget(slot)
                 purged = True
         if purged:
             log.info("KV cache full: dropped idle slots' cached prefixes")
@@ -489,21 +571,12 @@ class Scheduler:
             "id": slot.seq_id,
             "state": slot.state.value,
             "request_id": job.id if job else None,
-            "cache_scope": slot.scope,
+            "cache_scope": job.cache_scope if job else slot.scope,
             "kv_tokens": len(slot.tokens),
             "prompt_tokens": len(job.prompt) if job else 0,
             "cached_tokens": job.cached_tokens if job else 0,
             "generated_tokens": len(job.output) if job else 0,
         }
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _ms(seconds: float) -> float:

@@ -2,10 +2,13 @@
 
 Each request's sampler follows a script chosen by its seed (``FakeEngine.scripts``) and
 records which batch row it sampled from, so tests can check rows stay keyed by request.
+Sequence copies and saved states only move cell counts (``ops`` records them); a saved
+state is ``FakeState``, ``state_size`` is ``kv_bytes_per_token`` per cell plus a header.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from scheduler_daemon.engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
 from scheduler_daemon.sampling import SamplingParams
@@ -33,6 +36,19 @@ class FakeSampler:
         self.closed = True
 
 
+@dataclass(frozen=True)
+class FakeState:
+    seq_id: int
+    cells: int
+    size_bytes: int
+
+    def __len__(self) -> int:
+        return self.size_bytes
+
+
+STATE_HEADER_BYTES = 16
+
+
 class FakeEngine:
     """Counts KV cells per sequence; ``decode`` fails with 1 when they would exceed ``kv_cells``."""
 
@@ -47,6 +63,12 @@ class FakeEngine:
         self.on_decode: Callable[[list[BatchRow]], None] | None = None
         self.samplers: list[FakeSampler] = []
         self._owners: list[tuple[int, int]] = []
+        self.n_swa = 0
+        self.kv_bytes_per_token = 100
+        # ("copy", src, dst, p0, p1), ("save", seq, cells), ("restore", seq, cells)
+        self.ops: list[tuple] = []
+        self.fail_restore = False
+        self.window_lost: set[int] = set()  # sequences whose early cells a sliding window dropped
 
     def decode(self, rows: list[BatchRow], abortable: bool = False) -> int:
         rows = [BatchRow(r.seq_id, list(r.tokens), r.pos0, r.logits) for r in rows]
@@ -70,6 +92,33 @@ class FakeEngine:
     def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
         assert p1 == -1
         self.cells[seq_id] = min(self.cells.get(seq_id, 0), p0)
+        if p0 == 0:
+            self.window_lost.discard(seq_id)
+        return True
+
+    def kv_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        assert self.cells.get(dst, 0) == p0, "the destination must hold exactly [0, p0)"
+        assert 0 <= p0 < p1 <= self.cells.get(src, 0), "only cells the source holds can be copied"
+        self.ops.append(("copy", src, dst, p0, p1))
+        self.cells[dst] = p1
+
+    def kv_prefix_intact(self, seq_id: int, n_tokens: int) -> bool:
+        return self.cells.get(seq_id, 0) >= n_tokens and seq_id not in self.window_lost
+
+    def state_size(self, seq_id: int) -> int:
+        return STATE_HEADER_BYTES + self.cells.get(seq_id, 0) * self.kv_bytes_per_token
+
+    def state_save(self, seq_id: int, size_bytes: int) -> FakeState | None:
+        assert size_bytes == self.state_size(seq_id)
+        self.ops.append(("save", seq_id, self.cells.get(seq_id, 0)))
+        return FakeState(seq_id, self.cells.get(seq_id, 0), size_bytes)
+
+    def state_restore(self, seq_id: int, data: FakeState) -> bool:
+        self.ops.append(("restore", seq_id, data.cells))
+        if self.fail_restore:
+            self.cells[seq_id] = 0
+            return False
+        self.cells[seq_id] = data.cells
         return True
 
     def new_sampler(self, params: SamplingParams) -> FakeSampler:

@@ -22,7 +22,8 @@ def rows_of(call):
 # -- batch building -------------------------------------------------------------------
 
 def test_decode_rows_come_first_then_prefill_chunks_within_budget(harness):
-    h = harness(FakeEngine(n_batch=40), chunk_size=16)
+    # identical prompts: no prefix cache here, or c would adopt b's prefill (test_prefix_cache_policy)
+    h = harness(FakeEngine(n_batch=40), chunk_size=16, cache_prompt=False)
     h.scheduler.submit(req("a", 4, max_tokens=50))
     h.scheduler.step()  # a prefilled and sampled its first token
     h.scheduler.submit(req("b", 100))
@@ -36,7 +37,7 @@ def test_decode_rows_come_first_then_prefill_chunks_within_budget(harness):
 
 
 def test_prefill_chunks_rotate_round_robin_when_budget_is_short(harness):
-    h = harness(FakeEngine(n_batch=17), chunk_size=16)
+    h = harness(FakeEngine(n_batch=17), chunk_size=16, cache_prompt=False)  # identical prompts, see above
     h.scheduler.submit(req("a", 4, max_tokens=100))
     h.scheduler.step()
     h.scheduler.submit(req("b", 64))
@@ -219,7 +220,7 @@ def test_cancel_while_decoding_returns_partial_text(harness):
 
 def test_cancel_during_a_long_decode_aborts_and_rolls_back(harness):
     engine = FakeEngine(n_batch=512)
-    h = harness(engine, chunk_size=512, abort_min_tokens=64)
+    h = harness(engine, chunk_size=512, abort_min_tokens=64, cache_prompt=False)  # no prefix adoption
     h.scheduler.submit(req("other", 4, max_tokens=50, seed=1))
     h.scheduler.step()
     kv_before = {seq: n for seq, n in engine.cells.items() if n}

@@ -1,0 +1,280 @@
+"""The prefix cache: the longest cached prefix of a prompt that the request's scope may reuse.
+
+Three tiers, every lookup keyed by (cache_scope, tokens); another scope's KV is never
+looked at, copied or restored (SGLang's radix cache keys on (extra_key, tokens) the same way):
+
+- ``slot``: the slot the request lands on still holds a prefix of its prompt (kept in place);
+- ``cross_slot``: another slot, idle or busy, holds a longer one: ``llama_memory_seq_cp``
+  of positions [0, n) (metadata only under the unified KV buffer), then prefill the rest;
+- ``ram``: a saved sequence state (``ram_cache.RamCache``) restored with
+  ``llama_state_seq_set_data`` instead of prefilling.
+
+Before a slot's cached KV is destroyed (reused for another prompt or scope, purged under
+KV pressure) it is saved to RAM, if that tier is on and the state fits its budget.
+The last prompt token is always evaluated, so there are logits to sample the first token.
+All methods run on the scheduler's loop thread with its lock held.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .jobs import CacheEvent, Job, Slot, SlotState
+
+if TYPE_CHECKING:
+    from .ram_cache import RamCache, RamEntry
+
+log = logging.getLogger(__name__)
+
+TIERS = ("slot", "cross_slot", "ram")
+# The matched share of a slot's cached history that counts as prefix instability.
+INSTABILITY_RANGE = (0.1, 0.5)
+
+
+class CacheEngine(Protocol):
+    """What the prefix cache needs from an engine (``engine.LlamaEngine`` or a test fake)."""
+
+    kv_bytes_per_token: int
+    n_swa: int  # sliding-window size, 0 if none
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool: ...
+    def kv_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None: ...
+    def kv_prefix_intact(self, seq_id: int, n_tokens: int) -> bool: ...  # can serve [0, n)
+    def state_size(self, seq_id: int) -> int: ...
+    def state_save(self, seq_id: int, size_bytes: int) -> Any | None: ...
+    def state_restore(self, seq_id: int, data: Any) -> bool: ...
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case, compared at C speed
+        return n
+    i = 0
+    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(slots=True)
+class _Source:
+    tier: str
+    n_tokens: int
+    slot: Slot | None = None
+    entry: RamEntry | None = None
+
+
+class PrefixCache:
+    """Lookups, adoption, RAM saves and restores, their counters and events."""
+
+    def __init__(self, engine: CacheEngine, ram: RamCache | None, cross_slot: bool,
+                 min_save_tokens: int, counters: Counter[str], emit: Callable[[CacheEvent], None],
+                 clock: Callable[[], float]) -> None:
+        self.engine = engine
+        self.ram = ram
+        self.cross_slot = cross_slot
+        self.min_save_tokens = max(1, min_save_tokens)
+        self.counters = counters
+        self._emit = emit
+        self._clock = clock
+
+    def prepare(self, job: Job, slot: Slot, slots: list[Slot]) -> None:
+        """Make ``slot`` hold the longest reusable prefix of the prompt; set ``cached_tokens``."""
+        prompt, limit = job.prompt, len(job.prompt) - 1
+        matches = {
+            s.seq_id: common_prefix_len(s.tokens, prompt)
+            for s in slots if job.cache_prompt and s.scope == job.cache_scope and s.tokens
+        }
+        own = min(matches.get(slot.seq_id, 0), limit)
+        best = _Source("slot", own, slot)
+        if job.cache_prompt:
+            self.counters["cache_lookups"] += 1
+            best = self._lookup(job, slot, slots, matches, best)
+            self._check_stability(job, slots, matches)
+        keep = own if best.tier != "ram" else 0  # a restore replaces the whole sequence
+        if keep < len(slot.tokens):
+            self.preserve(slot, slots, protect=best.entry)
+            keep = self._truncate(slot, keep)
+        if keep == 0:
+            slot.cache_hits = 0
+        slot.scope = job.cache_scope if job.cache_prompt else None
+        n = keep
+        if best.tier == "cross_slot":
+            n = self._copy(best.slot, slot, keep, best.n_tokens)
+        elif best.tier == "ram":
+            n = self._restore(best.entry, slot, best.n_tokens)
+        job.cached_tokens = n
+        if keep:
+            self._count_hit("slot", keep)
+            slot.cache_hits += 1
+        if n > keep:
+            self._count_hit(best.tier, n - keep)
+
+    def catch_up(self, job: Job, slot: Slot, slots: list[Slot]) -> None:
+        """Mid-prefill: adopt what another slot of the scope has computed of this prompt since."""
+        done, limit = len(slot.tokens), len(job.prompt) - 1
+        best, best_n = None, done
+        for other in slots:
+            if other is not slot and other.scope == job.cache_scope and len(other.tokens) > best_n:
+                n = min(common_prefix_len(other.tokens, job.prompt), limit)
+                if n > best_n:
+                    best, best_n = other, n
+        if best is not None:
+            n = self._copy(best, slot, done, best_n)
+            job.cached_tokens += n - done
+            self._count_hit("cross_slot", n - done)
+
+    def preserve(self, slot: Slot, slots: list[Slot], protect: RamEntry | None = None) -> None:
+        """Save a slot's cached KV to RAM before it is destroyed, unless held elsewhere."""
+        tokens, scope = slot.tokens, slot.scope
+        if self.ram is None or scope is None or len(tokens) < self.min_save_tokens:
+            return
+        n = len(tokens)
+        if any(o is not slot and o.scope == scope and o.tokens[:n] == tokens for o in slots):
+            return  # another slot holds it (or more); it is saved when that one goes
+        if self.ram.covers(scope, tokens):
+            return
+        size = self.engine.state_size(slot.seq_id)  # asked first: never allocate past the budget
+        if not self.ram.fits(scope, size):
+            self._event("reject", scope, n, size)
+            return
+        evicted, room = self.ram.make_room(scope, tokens, size, protect)
+        for entry in evicted:
+            self._event("evict", entry.cache_scope, len(entry.tokens), entry.size_bytes)
+        if not room:
+            self._event("reject", scope, n, size)
+            return
+        data = self.engine.state_save(slot.seq_id, size)
+        if data is None:
+            self.counters["ram_save_failures"] += 1
+            log.warning("could not save slot %d's state (%d bytes)", slot.seq_id, size)
+            return
+        self.ram.add(scope, tokens, data, size, self._clock())
+        self._event("save", scope, n, size)
+
+    def entries(self, slots: list[Slot], now: float) -> list[dict[str, Any]]:
+        """What is cached, per slot and per RAM entry: scope, size, age, hits. No token ids."""
+        per_token = self.engine.kv_bytes_per_token
+        out: list[dict[str, Any]] = [
+            {
+                "tier": "slot", "slot": s.seq_id, "cache_scope": s.scope, "tokens": len(s.tokens),
+                "bytes": len(s.tokens) * per_token,  # estimated; cells shared by seq_cp count twice
+                "age_ms": _age_ms(now, s.last_used) if s.state is SlotState.IDLE else 0.0,
+                "hits": s.cache_hits,
+            }
+            for s in slots if s.scope is not None and s.tokens
+        ]
+        for e in (self.ram.entries()[::-1] if self.ram is not None else []):
+            out.append({
+                "tier": "ram", "slot": None, "cache_scope": e.cache_scope, "tokens": len(e.tokens),
+                "bytes": e.size_bytes, "age_ms": _age_ms(now, e.last_used), "hits": e.hits,
+            })
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        ram = self.ram
+        return {
+            "cross_slot": self.cross_slot,
+            "ram_budget_bytes": ram.budget_bytes if ram is not None else 0,
+            "ram_tenant_share": ram.tenant_share if ram is not None else None,
+            "ram_bytes": ram.total_bytes if ram is not None else 0,
+            "ram_entries": len(ram) if ram is not None else 0,
+        }
+
+    # -- pieces -----------------------------------------------------------------------
+
+    def _lookup(self, job: Job, slot: Slot, slots: list[Slot], matches: dict[int, int],
+                best: _Source) -> _Source:
+        limit = len(job.prompt) - 1
+        if self.cross_slot:
+            for other in slots:
+                n = min(matches.get(other.seq_id, 0), limit)
+                if other is not slot and n > best.n_tokens:
+                    best = _Source("cross_slot", n, other)
+        if self.ram is not None:
+            entry, n = self.ram.lookup(job.cache_scope, job.prompt, limit)
+            if n > best.n_tokens and n >= self.min_save_tokens:  # shorter: not worth a restore
+                best = _Source("ram", n, None, entry)
+        return best
+
+    def _check_stability(self, job: Job, slots: list[Slot], matches: dict[int, int]) -> None:
+        """A prompt that keeps only 10-50% of a cached history: the client rewrote it (a
+        timestamp in the system prompt, edited turns). The session's own slot is the
+        reference when it has one, else the slot with the longest match."""
+        scoped = [s for s in slots if s.seq_id in matches]
+        if not scoped:
+            return
+        pinned = [s for s in scoped if job.session is not None and s.session == job.session]
+        ref = pinned[0] if pinned else max(scoped, key=lambda s: matches[s.seq_id])
+        matched, history = matches[ref.seq_id], len(ref.tokens)
+        lo, hi = INSTABILITY_RANGE
+        if lo <= matched / history < hi:
+            log.info("prefix instability: request %s (scope %s) matches %d of %d cached tokens"
+                     " of slot %d", job.id, job.cache_scope, matched, history, ref.seq_id)
+            self._event("prefix_instability", job.cache_scope, matched, 0, request_id=job.id,
+                        history_tokens=history)
+
+    def _truncate(self, slot: Slot, keep: int) -> int:
+        """Cut a slot's KV back to ``keep`` tokens; all of it if the cut leaves it unusable."""
+        seq = slot.seq_id
+        engine = self.engine
+        if keep > 0 and not engine.kv_remove(seq, keep, -1):
+            keep = 0
+        if keep > 0 and not engine.kv_prefix_intact(seq, keep):
+            keep = 0
+        if keep == 0:
+            self.engine.kv_remove(seq, 0, -1)
+        del slot.tokens[keep:]
+        return keep
+
+    def _copy(self, src: Slot, dst: Slot, p0: int, p1: int) -> int:
+        """Share ``src``'s cells [p0, p1) with ``dst``, which holds [0, p0) of the same tokens."""
+        if not self.engine.kv_prefix_intact(src.seq_id, p1):  # a sliding window let go of some
+            return p0
+        self.engine.kv_copy(src.seq_id, dst.seq_id, p0, p1)
+        dst.tokens.extend(src.tokens[p0:p1])
+        src.cache_hits += 1
+        if src.state is SlotState.IDLE:
+            src.last_used = self._clock()
+        return p1
+
+    def _restore(self, entry: RamEntry, slot: Slot, n: int) -> int:
+        """Load a saved state into an empty slot; cut it to the ``n`` tokens the prompt shares."""
+        seq = slot.seq_id
+        ok = self.engine.state_restore(seq, entry.data)
+        if ok and n < len(entry.tokens):
+            ok = self.engine.kv_remove(seq, n, -1)
+        if not (ok and self.engine.kv_prefix_intact(seq, n)):
+            self.engine.kv_remove(seq, 0, -1)
+            self.counters["ram_restore_failures"] += 1
+            log.warning("could not restore a %d-byte state into slot %d", entry.size_bytes, seq)
+            return 0
+        slot.tokens[:] = entry.tokens[:n]
+        self.ram.touch(entry, self._clock())
+        self._event("restore", entry.cache_scope, n, entry.size_bytes)
+        return n
+
+    def _count_hit(self, tier: str, n_tokens: int) -> None:
+        if n_tokens > 0:
+            self.counters[f"cache_hits_{tier}"] += 1
+            self.counters[f"cache_hit_tokens_{tier}"] += n_tokens
+
+    def _event(self, kind: str, scope: str, n_tokens: int, size_bytes: int, **extra: Any) -> None:
+        """Count an event (``ram_save``, ``ram_save_bytes``, ...) and hand it to the hook."""
+        name = kind if kind == "prefix_instability" else f"ram_{kind}"
+        self.counters[name] += 1
+        if kind != "prefix_instability":
+            self.counters[f"{name}_bytes"] += size_bytes
+            self.counters[f"{name}_tokens"] += n_tokens
+            log.debug("RAM cache %s: scope %s, %d tokens, %d bytes",
+                      kind, scope, n_tokens, size_bytes)
+        self._emit(CacheEvent(kind, scope, n_tokens, size_bytes, **extra))
+
+
+def _age_ms(now: float, then: float) -> float:
+    return round(max(0.0, now - then) * 1000, 1)
