@@ -1,19 +1,56 @@
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
+from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models.functions import Coalesce
 from django.http import HttpRequest
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
 
 
+def _usage(since: timezone.datetime) -> tuple[Count, Sum]:
+    """Requests and tokens (prompt + completion) of rows created since ``since``."""
+    recent = Q(requests__created__gte=since)
+    tokens = Coalesce(F("requests__prompt_tokens"), 0) + Coalesce(
+        F("requests__completion_tokens"), 0)
+    return Count("requests", filter=recent), Coalesce(Sum(tokens, filter=recent), 0)
+
+
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["slug", "name", "is_active", "created"]
+    """Tenants with their last 24 h / 30 days of use (one aggregate query per page)."""
+
+    list_display = ["slug", "name", "is_active", "requests_24h", "tokens_24h",
+                    "requests_30d", "tokens_30d", "created"]
     list_filter = ["is_active"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
+        now = timezone.now()
+        day_requests, day_tokens = _usage(now - timedelta(hours=24))
+        month_requests, month_tokens = _usage(now - timedelta(days=30))
+        return super().get_queryset(request).annotate(
+            requests_24h=day_requests, tokens_24h=day_tokens,
+            requests_30d=month_requests, tokens_30d=month_tokens)
+
+    @admin.display(description="requests 24 h", ordering="requests_24h")
+    def requests_24h(self, obj: Tenant) -> int:
+        return obj.requests_24h
+
+    @admin.display(description="tokens 24 h", ordering="tokens_24h")
+    def tokens_24h(self, obj: Tenant) -> int:
+        return obj.tokens_24h
+
+    @admin.display(description="requests 30 d", ordering="requests_30d")
+    def requests_30d(self, obj: Tenant) -> int:
+        return obj.requests_30d
+
+    @admin.display(description="tokens 30 d", ordering="tokens_30d")
+    def tokens_30d(self, obj: Tenant) -> int:
+        return obj.tokens_30d
 
 
 @admin.register(ApiKey)

@@ -3,9 +3,11 @@ from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 
 from config import errors
+from inference import admin_live
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="playground", permanent=False)),
+    path("admin/live/", include(admin_live.urls())),
     path("admin/", admin.site.urls),
     path("", include("inference.urls")),
     # Unknown /v1/ URLs answer in the API's error shape, DEBUG or not.

@@ -1,30 +1,28 @@
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from inference import broker
+from inference.admin_live import log_action
 from inference.models import InferenceRequest
+
+ACTIVE = [InferenceRequest.Status.QUEUED, InferenceRequest.Status.RUNNING]
 
 
 @admin.register(InferenceRequest)
 class InferenceRequestAdmin(admin.ModelAdmin):
-    """History is written by the service; the admin only reads it."""
+    """History is written by the service; the admin reads it and may cancel live rows."""
 
     list_display = [
-        "id",
-        "tenant",
-        "kind",
-        "model",
-        "status",
-        "prompt_tokens",
-        "cached_tokens",
-        "completion_tokens",
-        "ttft_ms",
-        "duration_ms",
-        "created",
+        "id", "tenant", "kind", "model", "status", "finish_reason", "prompt_tokens",
+        "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "created",
     ]
-    list_filter = ["tenant", "status", ("created", admin.DateFieldListFilter)]
+    list_filter = ["tenant", "status", "model", "finish_reason",
+                   ("created", admin.DateFieldListFilter)]
     list_select_related = ["tenant"]
     search_fields = ["id", "session"]
     date_hierarchy = "created"
+    actions = ["cancel_requests"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -34,3 +32,11 @@ class InferenceRequestAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
         return False
+
+    @admin.action(description="Cancel selected queued or running requests")
+    def cancel_requests(self, request: HttpRequest, queryset: QuerySet[InferenceRequest]) -> None:
+        rows = list(queryset.filter(status__in=ACTIVE))
+        for row in rows:
+            broker.publish_cancel_sync(str(row.id))
+            log_action(request, f"Cancelled request {row.id}", row, repr_=str(row))
+        self.message_user(request, f"Cancel sent for {len(rows)} request(s).", messages.SUCCESS)

@@ -92,6 +92,16 @@ def live_daemons_sync() -> list[dict[str, Any]]:
     return _snapshots(client.mget([protocol.daemon_key(_text(i)) for i in ids]))
 
 
+def send_command_sync(daemon_id: str, action: str, **args: Any) -> str:
+    """Append an operator command (drain, resume, evict_scope) to one daemon's control
+    stream; returns the entry id. The daemon applies it between ticks."""
+    entry = sync_client().xadd(
+        protocol.control_stream(daemon_id), protocol.encode_command(action, **args),
+        maxlen=1000, approximate=True,
+    )
+    return _text(entry)
+
+
 async def live_models() -> set[str]:
     """Models at least one live daemon serves."""
     return {snap.get("model", "") for snap in await live_daemons()}

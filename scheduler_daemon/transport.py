@@ -7,7 +7,9 @@ Threads, besides the core's scheduler loop:
 - control: operator commands on ``llm:control:<daemon id>`` (drain, resume, evict a scope).
 - writer:  one pipeline per tick with every request's new events (tokens coalesced), the
            XACK of finished jobs, history rows, the heartbeat snapshot, and reclaiming the
-           jobs of dead daemons.
+           jobs of dead daemons. A finished request's tokens are added to its tenant's
+           usage counters and its concurrency slot freed in that same pipeline, ahead of its
+           terminal event (``protocol.record_usage``; limits: ``inference/limits.py``).
 """
 from __future__ import annotations
 
@@ -220,8 +222,8 @@ class DaemonTransport:
                     last = _text(entry_id)
                     try:
                         self.apply_command(protocol.decode_command(fields))
-                    except (KeyError, TypeError, ValueError):
-                        log.exception("ignoring a malformed control command")
+                    except Exception:  # an operator's bad command must never stop the daemon
+                        log.exception("ignoring a control command that failed")
 
     def apply_command(self, command: dict[str, Any]) -> None:
         """Carry out one operator command (see protocol.CONTROL_ACTIONS)."""
@@ -292,14 +294,21 @@ class DaemonTransport:
             items, self._buffer.items = self._buffer.items, []
         if not items:
             return
+        ended: list[tuple[str, str, int]] = []  # (tenant id, request id, tokens used)
         for item in items:
             if item.kind in protocol.TERMINAL:
                 history.mark_finished(
                     item.request_id, item.data.get("finish_reason", "error"), item.data.get("usage"),
                     item.data.get("timings"), error_code=item.data.get("code", ""),
                 )
+                tenant_id = self._tenants.get(item.request_id)
+                if tenant_id is not None:
+                    ended.append((tenant_id, item.request_id, _total_tokens(item.data)))
                 self._log_end(item)
         pipe = self.redis.pipeline(transaction=False)
+        now = time.time()
+        for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
+            protocol.record_usage(pipe, tenant_id, request_id, total_tokens, now)
         for item in _coalesce(items):
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
@@ -413,6 +422,11 @@ def _finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
     if event.error is not None:
         return protocol.ERROR, {**data, **event.error}
     return protocol.DONE, data
+
+
+def _total_tokens(data: dict[str, Any]) -> int:
+    usage = data.get("usage") or {}
+    return int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
 
 
 def _cancelled_before_start() -> dict[str, Any]:

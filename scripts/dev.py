@@ -174,6 +174,24 @@ def install_redis() -> str:
     raise AssertionError("unreachable")
 
 
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def ensure_chromium() -> None:
+    """Debian's chromium for the Playwright browser tests (Playwright's download is not used)."""
+    if CHROMIUM.exists():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        say("chromium is missing (browser tests): installing Debian's package with apt-get ...")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=True, env=env)
+        return
+    say(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
+        "the browser tests (tests/test_browser*.py) will fail. Install it with: "
+        "sudo apt-get install chromium")
+
+
 # --- processes -----------------------------------------------------------------------------
 
 
@@ -276,6 +294,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     redis_proc = None
     try:
         redis_proc, _ = setup(test_redis_url, start_redis=True)
+        ensure_chromium()
         say(f"Running the test suite (Redis: {test_redis_url}) ...")
         env = {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
         return subprocess.run([PY, "-m", "pytest", *args.pytest_args], cwd=ROOT, env=env).returncode

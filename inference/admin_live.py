@@ -1,0 +1,197 @@
+"""Live admin pages: queue, slots, cache entries and daemons, from the daemons' snapshots.
+
+The pages are plain admin templates that poll ``live/state.json`` about once a second;
+the state is read from Redis only (``broker.live_daemons_sync``), so looking never slows
+a daemon's decode loop. Actions (cancel, evict a tenant's cache, drain, resume) are
+staff-only POSTs, each written to the admin log. No prompt or completion text appears.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.contenttypes.models import ContentType
+from django.db.models import Model
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.urls import path
+from django.views.decorators.http import require_POST
+
+from accounts.models import Tenant
+from inference import broker
+from inference.models import InferenceRequest
+
+PAGES = {"queue": "Queue", "slots": "Slots", "cache": "Cache entries", "daemons": "Daemons"}
+DAEMON_ACTIONS = {"drain", "resume", "evict_scope"}
+
+
+class ActionRefused(Exception):
+    """An admin action that cannot be done (unknown request, dead daemon, ...)."""
+
+
+# -- state -----------------------------------------------------------------------------------
+
+
+def tenant_names(scopes: set[str]) -> dict[str, str]:
+    """cache_scope (str(tenant.id)) -> tenant name, for the scopes that name a tenant."""
+    ids = {int(s) for s in scopes if s and s.isdigit()}
+    rows = Tenant.objects.filter(pk__in=ids).values_list("pk", "name")
+    return {str(pk): name for pk, name in rows}
+
+
+def _scopes(snaps: list[dict[str, Any]]) -> set[str]:
+    found: set[str] = set()
+    for snap in snaps:
+        rows = [*(snap.get("slots") or []), *(snap.get("queue") or []),
+                *((snap.get("cache") or {}).get("entries") or [])]
+        found.update(str(r["cache_scope"]) for r in rows if r.get("cache_scope") is not None)
+    return found
+
+
+def daemon_summary(snap: dict[str, Any], now: float) -> dict[str, Any]:
+    """One daemon's row: liveness, settings, and counters boiled down."""
+    counters = snap.get("counters") or {}
+    prompt, cached = counters.get("prompt_tokens", 0), counters.get("cached_tokens", 0)
+    cache = {k: v for k, v in (snap.get("cache") or {}).items() if k != "entries"}
+    return {
+        "daemon_id": snap.get("daemon_id"), "model": snap.get("model"),
+        "host": snap.get("host"), "pid": snap.get("pid"),
+        "heartbeat_age_s": round(now - snap.get("heartbeat_at", now), 2),
+        "uptime_s": round(now - snap.get("started_at", now)),
+        "draining": bool(snap.get("draining")), "admitting": snap.get("admitting"),
+        "config": snap.get("config") or {}, "kv": snap.get("kv") or {}, "cache": cache,
+        "requests": sum(v for k, v in counters.items() if k.startswith("finished_")),
+        "submitted": counters.get("submitted", 0),
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "completion_tokens": counters.get("completion_tokens", 0),
+        "hit_ratio": round(cached / prompt, 3) if prompt else None,
+        "kv_pressure": counters.get("kv_pressure", 0),
+        "refusals": sum(v for k, v in counters.items() if k.startswith("refused_")),
+        "slots_busy": sum(1 for s in snap.get("slots") or [] if s.get("state") != "idle"),
+        "slots_total": len(snap.get("slots") or []),
+        "queue_depth": len(snap.get("queue") or []),
+    }
+
+
+def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:
+    """Everything the live pages show, flattened to rows, tenants named."""
+    now = time.time() if now is None else now
+    names = tenant_names(_scopes(snaps))
+    state: dict[str, Any] = {"now": now, "daemons": [], "queue": [], "slots": [], "cache": []}
+
+    def named(row: dict[str, Any], daemon_id: Any) -> dict[str, Any]:
+        scope = row.get("cache_scope")
+        scope = None if scope is None else str(scope)
+        return {**row, "daemon_id": daemon_id, "cache_scope": scope,
+                "tenant": names.get(scope or "", scope)}
+
+    for snap in sorted(snaps, key=lambda s: str(s.get("daemon_id"))):
+        daemon_id = snap.get("daemon_id")
+        state["daemons"].append(daemon_summary(snap, now))
+        state["queue"] += [named(q, daemon_id) for q in snap.get("queue") or []]
+        state["slots"] += [{**named(s, daemon_id), "heartbeat_at": snap.get("heartbeat_at")}
+                           for s in snap.get("slots") or []]
+        entries = (snap.get("cache") or {}).get("entries") or []
+        state["cache"] += [named(e, daemon_id) for e in entries]
+    return state
+
+
+# -- views -------------------------------------------------------------------------------------
+
+
+def page_view(request: HttpRequest, page: str) -> HttpResponse:
+    """A live page; its rows are drawn by admin_live.js from ``state.json``."""
+    if page not in PAGES:
+        raise Http404(page)
+    context = {**admin.site.each_context(request), "title": f"Live: {PAGES[page]}",
+               "page": page, "pages": PAGES}
+    return render(request, "admin/live/page.html", context)
+
+
+def state_view(request: HttpRequest) -> JsonResponse:
+    """The live state as JSON (staff only, via admin_view)."""
+    return JsonResponse(live_state(broker.live_daemons_sync()))
+
+
+@require_POST
+def action_view(request: HttpRequest) -> JsonResponse:
+    """cancel (request_id), evict_scope (daemon_id, tenant_id), drain / resume (daemon_id)."""
+    action, form = request.POST.get("action", ""), request.POST
+    try:
+        if action == "cancel":
+            message = cancel_request(request, form.get("request_id", ""))
+        elif action in DAEMON_ACTIONS:
+            message = command_daemon(request, action, form.get("daemon_id", ""),
+                                     form.get("tenant_id", ""))
+        else:
+            raise ActionRefused(f"Unknown action {action!r}.")
+    except ActionRefused as refused:
+        return JsonResponse({"ok": False, "message": str(refused)}, status=400)
+    return JsonResponse({"ok": True, "message": message})
+
+
+def cancel_request(request: HttpRequest, request_id: str) -> str:
+    """Publish a cancel; the daemon ends the request with finish_reason ``cancelled``."""
+    row = InferenceRequest.objects.filter(pk=request_id).first() if _is_uuid(request_id) else None
+    active = row is not None and row.status in (InferenceRequest.Status.QUEUED,
+                                                 InferenceRequest.Status.RUNNING)
+    if not request_id or not (active or _is_running(request_id)):
+        raise ActionRefused(f"No queued or running request {request_id!r}.")
+    broker.publish_cancel_sync(request_id)
+    log_action(request, f"Cancelled request {request_id}", row, repr_=f"request {request_id}")
+    return f"Cancel sent for request {request_id}."
+
+
+def command_daemon(request: HttpRequest, action: str, daemon_id: str, tenant_id: str) -> str:
+    """drain / resume / evict_scope on one live daemon, through its control stream."""
+    if daemon_id not in {str(s.get("daemon_id")) for s in broker.live_daemons_sync()}:
+        raise ActionRefused(f"No live daemon {daemon_id!r}.")
+    tenant, args = None, {}
+    if action == "evict_scope":
+        tenant = Tenant.objects.filter(pk=tenant_id).first() if tenant_id.isdigit() else None
+        if tenant is None:
+            raise ActionRefused(f"No tenant {tenant_id!r}.")
+        args = {"scope": str(tenant.pk)}
+    broker.send_command_sync(daemon_id, action, **args)
+    what = f"{action} {tenant.name}'s cache" if tenant else action
+    log_action(request, f"Sent {what} to daemon {daemon_id}", tenant, repr_=f"daemon {daemon_id}")
+    return f"Sent {action} to daemon {daemon_id}."
+
+
+def log_action(request: HttpRequest, message: str, obj: Model | None, repr_: str) -> None:
+    """A CHANGE entry in the admin log, attached to ``obj`` when there is one."""
+    LogEntry.objects.create(
+        user_id=request.user.pk, action_flag=CHANGE, change_message=message,
+        content_type=ContentType.objects.get_for_model(obj) if obj is not None else None,
+        object_id=str(obj.pk) if obj is not None else None,
+        object_repr=(str(obj) if obj is not None else repr_)[:200],
+    )
+
+
+def _is_running(request_id: str) -> bool:
+    for snap in broker.live_daemons_sync():
+        rows = [*(snap.get("slots") or []), *(snap.get("queue") or [])]
+        if any(r.get("request_id") == request_id for r in rows):
+            return True
+    return False
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def urls() -> list[Any]:
+    """URL patterns for config/urls.py, every view behind ``admin_view`` (staff only)."""
+    wrap = admin.site.admin_view
+    return [
+        path("state.json", wrap(state_view), name="admin-live-state"),
+        path("action", wrap(action_view), name="admin-live-action"),
+        path("<slug:page>/", wrap(page_view), name="admin-live"),
+    ]
