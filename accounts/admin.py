@@ -27,6 +27,11 @@ class TenantAdmin(admin.ModelAdmin):
     list_filter = ["is_active"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
+    fieldsets = [
+        (None, {"fields": ["name", "slug", "is_active"]}),
+        ("Limits (empty = unlimited)", {"fields": [
+            "requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget"]}),
+    ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
         now = timezone.now()

@@ -37,6 +37,17 @@ class Tenant(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     is_active = models.BooleanField(default=True)
     created = models.DateTimeField(auto_now_add=True)
+    # Limits (blank: unlimited), enforced when a request is queued (inference/limits.py).
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="requests admitted per UTC minute; blank: unlimited")
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="prompt + completion tokens per UTC minute, counted when requests end")
+    max_concurrent = models.PositiveIntegerField(
+        null=True, blank=True, help_text="requests queued or running at once; blank: unlimited")
+    monthly_token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True,
+        help_text="prompt + completion tokens per UTC month; blank: unlimited")
 
     class Meta:
         ordering = ["slug"]

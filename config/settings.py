@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
     "channels",
     "accounts",
     "inference",
@@ -106,6 +107,18 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "config.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "LLM inference service API",
+    "DESCRIPTION": "OpenAI-compatible completions and chat completions, request history, "
+    "usage. Errors use OpenAI's shape: {\"error\": {message, type, param, code}}.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "inference.openapi.add_async_endpoints",
+    ],
 }
 
 # Redis: job queue and token pipe between web and the scheduler daemon.
@@ -113,6 +126,13 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The web's waits: for a daemon to take a queued job, and for a whole request.
 ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)
 REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
+
+# Tenant limits (docs/limits.md): a request holds its concurrency slot at most
+# ACCEPT_TIMEOUT_S + REQUEST_TIMEOUT_S + this, so a crash never leaks one for good.
+LIMIT_SLOT_GRACE_S = env_float("LIMIT_SLOT_GRACE_S", 60.0)
+# /metrics (docs/observability.md): a Bearer token; empty: only clients in these networks.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+METRICS_ALLOWED_NETS = env_list("METRICS_ALLOWED_NETS", ["127.0.0.1/32", "::1/128"])
 
 # The model and the scheduler daemon's knobs.
 MODEL_PATH = env_str(

@@ -1,3 +1,6 @@
+from datetime import timedelta
+
+from django.utils import timezone
 from rest_framework import serializers
 
 from inference.models import InferenceRequest
@@ -24,3 +27,70 @@ class InferenceRequestSerializer(serializers.ModelSerializer):
             "finished",
         ]
         read_only_fields = fields
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    """?start=&end= (ISO dates, inclusive, UTC); both default to the current month."""
+
+    MAX_DAYS = 366
+
+    start = serializers.DateField(required=False, input_formats=["iso-8601"])
+    end = serializers.DateField(required=False, input_formats=["iso-8601"])
+
+    def validate(self, attrs: dict) -> dict:
+        for name in ("start", "end"):
+            if name in self.initial_data and name not in attrs:  # sent empty
+                raise serializers.ValidationError({name: "Give a date as YYYY-MM-DD."})
+        today = timezone.now().date()
+        start = attrs.get("start") or today.replace(day=1)
+        end = attrs.get("end") or (today if "start" not in attrs else start + timedelta(days=30))
+        if end < start:
+            raise serializers.ValidationError({"end": "end must not be before start."})
+        if (end - start).days >= self.MAX_DAYS:
+            raise serializers.ValidationError(
+                {"end": f"A range may span at most {self.MAX_DAYS} days."})
+        return {"start": start, "end": end}
+
+
+class UsageRowSerializer(serializers.Serializer):
+    date = serializers.DateField()
+    model = serializers.CharField()
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    cached_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+
+
+class UsageTotalsSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    cached_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+
+
+class UsageLimitsSerializer(serializers.Serializer):
+    requests_per_minute = serializers.IntegerField(allow_null=True)
+    tokens_per_minute = serializers.IntegerField(allow_null=True)
+    max_concurrent = serializers.IntegerField(allow_null=True)
+    monthly_token_budget = serializers.IntegerField(allow_null=True)
+
+
+class UsageCurrentSerializer(serializers.Serializer):
+    requests_this_minute = serializers.IntegerField()
+    tokens_this_minute = serializers.IntegerField()
+    tokens_this_month = serializers.IntegerField()
+    concurrent = serializers.IntegerField()
+
+
+class UsageSerializer(serializers.Serializer):
+    """GET /v1/usage's reply."""
+
+    object = serializers.CharField(default="usage")
+    start = serializers.DateField()
+    end = serializers.DateField()
+    data = UsageRowSerializer(many=True)
+    totals = UsageTotalsSerializer()
+    limits = UsageLimitsSerializer()
+    current = UsageCurrentSerializer()

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
-from inference import broker
+from inference import broker, limits, metrics
 from inference.api_errors import ApiError, invalid, unavailable
 from inference.broker import StreamEvent
 from inference.models import InferenceRequest
@@ -64,18 +65,28 @@ async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
 async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     """Create the history row and queue a checked request for a daemon of its model.
 
-    Raises ApiError: 400 unknown model; 503 no live daemon serves it.
+    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit.
     """
     live = await broker.live_models()
     if parsed.model not in live:
         if parsed.model == settings.MODEL_NAME:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
-    row = await _create_row(api_key, parsed)
-    request_id = str(row.id)
-    async with CancelIfAbandoned(request_id):
-        await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
+    request_id = str(uuid.uuid4())
+    await _admit(api_key, request_id)  # 429 before anything is stored or queued
+    try:
+        row = await _create_row(api_key, parsed, request_id)
+        async with CancelIfAbandoned(request_id):
+            await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
+    except BaseException:
+        await database_sync_to_async(limits.release_sync)(api_key.tenant_id, request_id)
+        raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
+
+
+async def _admit(api_key: ApiKey, request_id: str) -> None:
+    """The tenant's limits (inference/limits.py): take a slot or raise ApiError 429."""
+    await database_sync_to_async(limits.admit_tenant_sync)(api_key.tenant_id, request_id)
 
 
 async def answer(queued: Queued) -> Submission:
@@ -84,6 +95,7 @@ async def answer(queued: Queued) -> Submission:
     async with CancelIfAbandoned(queued.request_id):
         first = await _wait_first(queued.request_id, queued.model)
     if first.kind == protocol.ERROR:
+        metrics.observe_end(first.data, first.kind)
         raise ApiError.from_event(first.data)
     return Submission(queued.request_id, queued.kind, queued.model, queued.created, first)
 
@@ -104,12 +116,15 @@ async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
     """The submission's first event, then the rest of its stream (see ``follow``)."""
     yield submission.first
     if submission.first.is_terminal:
+        metrics.observe_end(submission.first.data, submission.first.kind)
         return
     daemon_id = submission.first.data.get("daemon_id")
     assert submission.first.entry_id is not None
     rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id)
     async with aclosing(rest):
         async for event in rest:
+            if event is not None and event.is_terminal:
+                metrics.observe_end(event.data, event.kind)  # once per submission, never on resumes
             yield event
 
 
@@ -231,20 +246,25 @@ async def cancel_quietly(request_id: str) -> None:
 
 
 @database_sync_to_async
-def _create_row(api_key: ApiKey, parsed: ParsedRequest) -> InferenceRequest:
+def _create_row(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> InferenceRequest:
     return InferenceRequest.objects.create(
-        tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind, model=parsed.model,
-        session=parsed.session,
+        id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,
+        model=parsed.model, session=parsed.session,
     )
 
 
 @database_sync_to_async
 def close_row(request_id: str, error_code: str) -> None:
-    """Close a row the daemon cannot close (it is gone): status error."""
+    """Close a row the daemon cannot close (it is gone): status error; free its
+    concurrency slot (the daemon frees it only when it writes the end)."""
     InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
         status=InferenceRequest.Status.ERROR, error_code=error_code, finish_reason="error",
         finished=timezone.now(),
     )
+    rows = InferenceRequest.objects.filter(id=request_id)
+    tenant_id = rows.values_list("tenant_id", flat=True).first()
+    if tenant_id is not None:
+        limits.release_sync(tenant_id, request_id)
 
 
 @database_sync_to_async

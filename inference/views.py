@@ -1,16 +1,37 @@
-from django.db.models import QuerySet
+from datetime import UTC, date, datetime, time, timedelta
+
+from django.db.models import Count, QuerySet, Sum
+from django.db.models.functions import Coalesce, TruncDate
 from django.views.generic import TemplateView
-from rest_framework import exceptions, permissions, viewsets
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    extend_schema,
+    extend_schema_view,
+    inline_serializer,
+)
+from rest_framework import exceptions, permissions, serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from inference import broker
+from accounts.models import Tenant
+from inference import broker, limits
 from inference.health import health_report, model_list
 from inference.models import InferenceRequest
-from inference.serializers import InferenceRequestSerializer
+from inference.openapi import errors
+from inference.serializers import InferenceRequestSerializer, UsageQuerySerializer, UsageSerializer
+
+MODEL_FIELDS = {
+    "id": serializers.CharField(), "object": serializers.CharField(),
+    "created": serializers.IntegerField(), "owned_by": serializers.CharField(),
+}
+MODEL = inline_serializer("Model", MODEL_FIELDS)
+MODEL_LIST = inline_serializer("ModelList", {
+    "object": serializers.CharField(), "data": inline_serializer("Model", MODEL_FIELDS, many=True),
+})
 
 
 class HealthView(APIView):
@@ -19,6 +40,8 @@ class HealthView(APIView):
     authentication_classes = []
     permission_classes = [permissions.AllowAny]
 
+    @extend_schema(responses={200: OpenApiTypes.OBJECT}, auth=[],
+                   summary="Service and daemon health")
     def get(self, request: Request) -> Response:
         return Response(health_report())
 
@@ -26,6 +49,7 @@ class HealthView(APIView):
 class ModelListView(APIView):
     """GET /v1/models: the models live daemons serve."""
 
+    @extend_schema(responses={200: MODEL_LIST, **errors(401)}, summary="Models live daemons serve")
     def get(self, request: Request) -> Response:
         return Response({"object": "list", "data": model_list()})
 
@@ -33,6 +57,8 @@ class ModelListView(APIView):
 class ModelDetailView(APIView):
     """GET /v1/models/<model>"""
 
+    @extend_schema(responses={200: MODEL, **errors(401, 404)}, summary="One model",
+                   operation_id="models_detail")
     def get(self, request: Request, model: str) -> Response:
         found = next((m for m in model_list() if m["id"] == model), None)
         if found is None:
@@ -47,6 +73,13 @@ class HistoryPagination(CursorPagination):
     max_page_size = 500
 
 
+@extend_schema_view(
+    list=extend_schema(responses={200: InferenceRequestSerializer(many=True),
+                                  **errors(400, 401, 404)},
+                       summary="The tenant's request history, newest first"),
+    retrieve=extend_schema(responses={200: InferenceRequestSerializer, **errors(401, 404)},
+                           summary="One request's accounting"),
+)
 class InferenceRequestViewSet(viewsets.ReadOnlyModelViewSet):
     """GET /v1/requests and /v1/requests/<id>: the caller's tenant's history;
     POST /v1/requests/<id>/cancel."""
@@ -57,12 +90,63 @@ class InferenceRequestViewSet(viewsets.ReadOnlyModelViewSet):
     def get_queryset(self) -> QuerySet[InferenceRequest]:
         return InferenceRequest.objects.for_tenant(self.request.auth.tenant)
 
+    @extend_schema(request=None, responses={200: InferenceRequestSerializer, **errors(401, 404)},
+                   summary="Cancel a request")
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Ask the daemon to stop the request; it ends with finish_reason ``cancelled``."""
         row = self.get_object()
         broker.publish_cancel_sync(str(row.id))
         return Response({**self.get_serializer(row).data, "cancel_requested": True})
+
+
+class UsageView(APIView):
+    """GET /v1/usage?start=&end=: the caller's tenant's requests and tokens by day and
+    model (UTC dates, inclusive; default: this month so far), its limits and its counters."""
+
+    TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("start", OpenApiTypes.DATE,
+                             description="first day (UTC); default: the 1st of this month"),
+            OpenApiParameter("end", OpenApiTypes.DATE,
+                             description="last day, inclusive; default: today"),
+        ],
+        responses={200: UsageSerializer, **errors(400, 401)},
+        summary="The tenant's usage by day and model",
+    )
+    def get(self, request: Request) -> Response:
+        query = UsageQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        start, end = query.validated_data["start"], query.validated_data["end"]
+        tenant = request.auth.tenant
+        rows = [self._row(r) for r in self._by_day_and_model(tenant, start, end)]
+        fields = ("requests", *self.TOKEN_FIELDS, "total_tokens")
+        totals = {k: sum(r[k] for r in rows) for k in fields}
+        body = {
+            "object": "usage", "start": start, "end": end, "data": rows, "totals": totals,
+            "limits": {f: getattr(tenant, f) for f in limits.FIELDS},
+            "current": limits.current_usage_sync(tenant.id),
+        }
+        return Response(UsageSerializer(body).data)
+
+    def _by_day_and_model(self, tenant: Tenant, start: date, end: date) -> QuerySet:
+        since = datetime.combine(start, time.min, tzinfo=UTC)
+        until = datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC)
+        sums = {f: Coalesce(Sum(f), 0) for f in self.TOKEN_FIELDS}
+        return (
+            InferenceRequest.objects.for_tenant(tenant)
+            .filter(created__gte=since, created__lt=until)
+            .annotate(date=TruncDate("created", tzinfo=UTC))
+            .values("date", "model")
+            .annotate(requests=Count("id"), **sums)
+            .order_by("date", "model")
+        )
+
+    @staticmethod
+    def _row(row: dict) -> dict:
+        return {**row, "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}
 
 
 class PlaygroundView(TemplateView):

@@ -44,7 +44,7 @@ def parse_messages(messages: Any) -> list[tuple[str, str]]:
         if not isinstance(message, dict):
             raise InvalidParameter(where, "must be an object with role and content")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a dict or list is unhashable
             raise InvalidParameter(f"{where}.role", f"must be one of {sorted(ROLES)}")
         out.append((role, _content_text(message.get("content"), f"{where}.content")))
     return out

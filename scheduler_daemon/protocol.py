@@ -115,7 +115,7 @@ class Job:
         return {"job": json.dumps(asdict(self), separators=(",", ":"))}
 
     @classmethod
-    def decode(cls, fields: dict[Any, Any]) -> "Job":
+    def decode(cls, fields: dict[Any, Any]) -> Job:
         raw = fields.get(b"job", fields.get("job"))
         return cls(**json.loads(raw))
 
@@ -161,3 +161,55 @@ REFUSAL_STATUS = {
     "invalid_request_error": 400,
     "duplicate_request_id": 409,
 }
+
+
+# -- tenant limits and usage (issue 7) ----------------------------------------------------------
+# The web admits a request with one Lua script (inference/limits.py) over these keys; the
+# daemon records actual usage and frees the request's concurrency slot when it writes the
+# terminal event (transport._flush), in the same pipeline. Tenant ids are the DB ids.
+#
+# In-flight ``llm:limit:inflight:<tenant>``   sorted set: request id -> expiry (unix s).
+#                                             Members past their expiry are dropped on each
+#                                             admission, so a crash never leaks a slot.
+# Requests  ``llm:limit:rpm:<tenant>:<min>``  admitted requests in one UTC minute (unix s // 60)
+# Tokens    ``llm:limit:tpm:<tenant>:<min>``  prompt + completion tokens finished in that minute
+# Month     ``llm:usage:month:<tenant>:<YYYYMM>``  prompt + completion tokens in a UTC month
+# Refusals  ``llm:limit:refusals``            hash: refusal code -> count (for /metrics)
+LIMIT_WINDOW_TTL_S = 120  # a per-minute counter outlives its minute by this much
+MONTH_USAGE_TTL_S = 62 * 86400
+LIMIT_REFUSALS_HASH = f"{PREFIX}:limit:refusals"
+
+
+def inflight_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:inflight:{tenant_id}"
+
+
+def rpm_key(tenant_id: str, minute: int) -> str:
+    return f"{PREFIX}:limit:rpm:{tenant_id}:{minute}"
+
+
+def tpm_key(tenant_id: str, minute: int) -> str:
+    return f"{PREFIX}:limit:tpm:{tenant_id}:{minute}"
+
+
+def month_usage_key(tenant_id: str, month: str) -> str:
+    """``month`` is ``YYYYMM`` (UTC)."""
+    return f"{PREFIX}:usage:month:{tenant_id}:{month}"
+
+
+def usage_keys(tenant_id: str, now: float) -> tuple[str, str]:
+    """(per-minute token key, monthly token key) for a request that ends at ``now``."""
+    month = time.strftime("%Y%m", time.gmtime(now))
+    return tpm_key(tenant_id, int(now // 60)), month_usage_key(tenant_id, month)
+
+
+def record_usage(pipe: Any, tenant_id: str, request_id: str, total_tokens: int, now: float) -> None:
+    """Queue on ``pipe`` what a request's end does to its tenant's limits: count its tokens
+    in the minute and month windows, free its concurrency slot."""
+    if total_tokens > 0:
+        minute_key, month_key = usage_keys(tenant_id, now)
+        pipe.incrby(minute_key, total_tokens)
+        pipe.expire(minute_key, LIMIT_WINDOW_TTL_S)
+        pipe.incrby(month_key, total_tokens)
+        pipe.expire(month_key, MONTH_USAGE_TTL_S)
+    pipe.zrem(inflight_key(tenant_id), request_id)

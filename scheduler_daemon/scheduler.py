@@ -8,7 +8,6 @@ flag and rolled back, never changed from another thread mid-decode.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -22,8 +21,19 @@ from . import errors
 from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
 from .errors import Refusal
 from .jobs import (
-    FINISH_REASON, CacheEvent, Event, FinishedEvent, Job, Request, RequestStats, Sampler, Slot,
-    SlotState, Status, TickStats, TokenEvent,
+    FINISH_REASON,
+    CacheEvent,
+    Event,
+    FinishedEvent,
+    Job,
+    Request,
+    RequestStats,
+    Sampler,
+    Slot,
+    SlotState,
+    Status,
+    TickStats,
+    TokenEvent,
 )
 from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
 from .ram_cache import RamCache
@@ -98,7 +108,8 @@ class Scheduler:
         self._lock = threading.RLock()
         self._work = threading.Event()
         self._slots = [Slot(seq_id=i) for i in range(engine.n_seq_max)]
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Job] = deque()  # arrival order, every scope
+        self._turns: deque[str] = deque()  # scopes with waiting jobs, in admission turn order
         self._jobs: dict[str, Job] = {}
         self._cancels: set[str] = set()
         self._in_flight: set[str] = set()
@@ -162,6 +173,8 @@ class Scheduler:
                 self.check_capacity()
                 self._jobs[job.id] = job
                 self._waiting.append(job)
+                if job.cache_scope not in self._turns:
+                    self._turns.append(job.cache_scope)
                 self.counters["submitted"] += 1
         except Refusal:
             sampler.close()
@@ -324,34 +337,49 @@ class Scheduler:
         self._cancels.clear()
 
     def _admit(self) -> None:
-        """Strict FIFO: the head waits for blocks and a slot; nobody overtakes it, except a
-        session's request onto its own free slot, at most ``session_max_bypass`` times per head."""
+        """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the
+        oldest job of the scope whose turn it is; it waits for blocks and a slot and nobody
+        overtakes it, except a session's request onto its own free slot, at most
+        ``session_max_bypass`` times per head. One scope's burst delays another scope's next
+        request by at most one admission per other scope with waiting work."""
         while self._waiting:
             if self._admit_session():
                 continue
-            job = self._waiting[0]
+            job = self._head()
             if self._used_blocks + job.blocks > self._total_blocks:
                 return
             slot = self._choose_slot(job)
             if slot is None:
                 return
-            self._waiting.popleft()
+            self._take(job)
             self._assign(job, slot)
+
+    def _head(self) -> Job:
+        """The oldest waiting job of the scope whose turn it is."""
+        scope = self._turns[0]
+        return next(j for j in self._waiting if j.cache_scope == scope)
+
+    def _take(self, job: Job) -> None:
+        """Dequeue a job; its scope, if it still has jobs waiting, goes to the back of the turns."""
+        self._waiting.remove(job)
+        self._turns.remove(job.cache_scope)
+        if any(j.cache_scope == job.cache_scope for j in self._waiting):
+            self._turns.append(job.cache_scope)
 
     def _admit_session(self) -> bool:
         """A queued request whose session's slot is free takes it now if the KV budget allows."""
-        head = self._waiting[0]
+        head = self._head()
         if head.passed_over >= self.config.session_max_bypass:
             return False  # this head has been passed over enough: it goes next
         pinned = {(s.scope, s.session): s for s in self._slots
                   if s.state is SlotState.IDLE and s.session is not None}
         if not pinned:
             return False
-        for job in itertools.islice(self._waiting, 1, None):
+        for job in self._waiting:
             slot = pinned.get((job.cache_scope, job.session))
             fits = self._used_blocks + job.blocks <= self._total_blocks
-            if slot is not None and job.cache_prompt and fits:
-                self._waiting.remove(job)
+            if job is not head and slot is not None and job.cache_prompt and fits:
+                self._take(job)
                 head.passed_over += 1
                 self.counters["session_bypasses"] += 1
                 self._assign(job, slot)
@@ -480,6 +508,8 @@ class Scheduler:
             self._used_blocks -= job.blocks
         else:
             self._waiting.remove(job)
+            if not any(j.cache_scope == job.cache_scope for j in self._waiting):
+                self._turns.remove(job.cache_scope)
         tail = job.text.flush()
         if tail or job.unsent_tokens:
             self._emit(TokenEvent(job.id, tail, job.unsent_tokens))

@@ -90,12 +90,10 @@ def test_queue_full_is_503_with_retry_after_even_when_streaming(web, standin, st
                                              "message": "The queue is full (2 waiting)."})
 
     standin.serve(refuse)
-    t0 = time.monotonic()
     reply = chat(web, standin, stream=stream)
     assert reply.status == 503 and reply.header("Retry-After") == "1"
     assert reply.header("Content-Type") == "application/json"
     assert reply.json()["error"]["code"] == "queue_full"
-    assert time.monotonic() - t0 < 3
 
 
 def test_context_length_exceeded_is_400_with_the_numbers(web, standin):
@@ -121,9 +119,7 @@ def test_daemon_dying_mid_stream_ends_it_with_inference_interrupted(web, standin
     standin.serve(start_then_die)
     reply = chat(web, standin, stream=True)
     request_id = reply.header("X-Request-Id")
-    t0 = time.monotonic()
     events = frames(reply)
-    assert time.monotonic() - t0 < protocol.HEARTBEAT_TTL_S + 4
     assert events[-1] == (None, "[DONE]")
     error = events[-2][1]["error"]
     assert error["code"] == "inference_interrupted" and error["type"] == "server_error"
@@ -146,11 +142,9 @@ def test_non_streaming_request_whose_daemon_dies_gets_503(web, standin):
 
 def test_daemon_dying_before_it_answers_is_503(web, standin):
     standin.serve(lambda daemon, job: daemon.die())  # takes the job, never answers
-    t0 = time.monotonic()
     reply = chat(web, standin, stream=True)
     assert reply.status == 503
     assert reply.json()["error"]["code"] == "scheduler_unavailable"
-    assert time.monotonic() - t0 < protocol.HEARTBEAT_TTL_S + 4
 
 
 def test_client_leaving_mid_stream_cancels_the_request(web, standin):

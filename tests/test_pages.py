@@ -1,7 +1,7 @@
 def test_playground_page(client, db):
     response = client.get("/playground/")
     assert response.status_code == 200
-    assert b"/v1/requests" in response.content
+    assert b"inference/playground.js" in response.content and b"load-models" in response.content
 
 
 def test_root_redirects_to_playground(client, db):

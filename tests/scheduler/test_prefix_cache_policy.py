@@ -163,9 +163,11 @@ def test_prefill_of_a_shared_prefix_happens_once_per_scope(harness):
     h.scheduler.submit(req("b1", toks(SYSTEM, user(2)), scope="b"))
     h.scheduler.step()
     first = {r.seq_id: len(r.tokens) for r in engine.calls[-1]}
-    assert first == {0: 80, 2: 80}  # a2 waits for a1's prefill; b1 never waits on another scope
+    # round-robin admission: a1 slot 0, b1 slot 1 (scope b's turn), a2 slot 2;
+    # a2 waits for a1's prefill; b1 never waits on another scope
+    assert first == {0: 80, 1: 80}
     h.run()
-    assert ("copy", 0, 1, 0, 60) in engine.ops
+    assert ("copy", 0, 2, 0, 60) in engine.ops
     assert h.finished("a2").stats.cached_tokens == 60 and h.finished("b1").stats.cached_tokens == 0
     prefilled = sum(len(r.tokens) for call in engine.calls for r in call if len(r.tokens) > 1)
     assert prefilled == 80 + 20 + 80

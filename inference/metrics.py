@@ -1,0 +1,202 @@
+"""Prometheus metrics at /metrics (docs/observability.md).
+
+Two sources, read at scrape time or kept here:
+- every live daemon's published snapshot (``broker.live_daemons_sync()``): its counters
+  since it started (labelled by daemon, so a restart is an ordinary counter reset), its
+  queue, slots, KV blocks and RAM prompt cache;
+- this web process: TTFT and end-to-end latency histograms, observed when a request it
+  submitted ends (per process: each web process exports its own), and the limit refusals
+  of every web process (a Redis hash written by the admission script).
+No tenant labels anywhere: a tenant's numbers are the usage API's business.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from inference import broker, limits
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+CACHE_TIERS = ("slot", "cross_slot", "ram")
+DAEMON_REFUSALS = {
+    "refused_queue_full": "queue_full",
+    "refused_context_length": "context_length_exceeded",
+}
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+TTFT = Histogram(
+    "llm_request_ttft_seconds",
+    "Time from queueing to the first token.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+DURATION = Histogram(
+    "llm_request_duration_seconds",
+    "Time from queueing to the last event.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+ENDED = Counter(
+    "llm_web_requests",
+    "Requests this web process saw end, by outcome.",
+    ["status"],
+    registry=REGISTRY,
+)
+
+
+def observe_end(data: dict[str, Any], kind: str) -> None:
+    """A request this process submitted ended with ``data`` (a done or error event)."""
+    status = data.get("finish_reason") if kind == "done" else data.get("code") or "error"
+    ENDED.labels(status=str(status or "unknown")).inc()
+    timings = data.get("timings") or {}
+    if timings.get("ttft_ms") is not None:
+        TTFT.observe(timings["ttft_ms"] / 1000)
+    if timings.get("duration_ms") is not None:
+        DURATION.observe(timings["duration_ms"] / 1000)
+
+
+class DaemonCollector(Collector):
+    """Metrics of every live daemon and of the shared limit refusals, read per scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snapshots = broker.live_daemons_sync()
+            refusals = limits.refusal_counts_sync()
+        except Exception:  # a scrape must answer even when Redis does not
+            log.warning("metrics: could not read Redis", exc_info=True)
+            snapshots, refusals = [], {}
+        yield from _daemon_metrics(snapshots)
+        limit_refusals = CounterMetricFamily(
+            "llm_limit_refusals", "Requests refused by tenant limits, by code.", labels=["code"]
+        )
+        for code in (limits.RATE_LIMITED, limits.CONCURRENCY_LIMITED, limits.BUDGET_EXCEEDED):
+            limit_refusals.add_metric([code], refusals.get(code, 0))
+        yield limit_refusals
+
+
+def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
+    labels = ["daemon", "model"]
+    live = GaugeMetricFamily("llm_daemons", "Live scheduler daemons.", labels=["model"])
+    finished = CounterMetricFamily(
+        "llm_requests",
+        "Requests a daemon finished, by finish reason.",
+        labels=[*labels, "finish_reason"],
+    )
+    tokens = {
+        kind: CounterMetricFamily(
+            f"llm_{kind}_tokens", f"{kind.capitalize()} tokens of finished requests.", labels=labels
+        )
+        for kind in ("prompt", "completion", "cached")
+    }
+    lookups = CounterMetricFamily(
+        "llm_prefix_cache_lookups", "Prefix cache lookups.", labels=labels
+    )
+    hits = CounterMetricFamily(
+        "llm_prefix_cache_hits", "Prefix cache hits, by tier.", labels=[*labels, "tier"]
+    )
+    hit_tokens = CounterMetricFamily(
+        "llm_prefix_cache_hit_tokens", "Prompt tokens reused, by tier.", labels=[*labels, "tier"]
+    )
+    refused = CounterMetricFamily(
+        "llm_daemon_refusals", "Requests a daemon refused, by code.", labels=[*labels, "code"]
+    )
+    kv_pressure = CounterMetricFamily(
+        "llm_kv_pressure_events", "llama_decode found the KV cache full.", labels=labels
+    )
+    queue = GaugeMetricFamily("llm_queue_depth", "Requests waiting for a slot.", labels=labels)
+    active = GaugeMetricFamily("llm_active_slots", "Slots serving a request.", labels=labels)
+    slots = GaugeMetricFamily("llm_slots", "Slots (parallel sequences).", labels=labels)
+    blocks_used = GaugeMetricFamily("llm_kv_blocks_used", "KV blocks handed out.", labels=labels)
+    blocks_total = GaugeMetricFamily("llm_kv_blocks", "KV blocks in the budget.", labels=labels)
+    ram_bytes = GaugeMetricFamily(
+        "llm_ram_cache_bytes", "Bytes held by the RAM prompt cache.", labels=labels
+    )
+    ram_budget = GaugeMetricFamily(
+        "llm_ram_cache_budget_bytes", "The RAM prompt cache's budget.", labels=labels
+    )
+    per_model: dict[str, int] = {}
+    for snap in snapshots:
+        key = [str(snap.get("daemon_id", "")), str(snap.get("model", ""))]
+        per_model[key[1]] = per_model.get(key[1], 0) + 1
+        counters = snap.get("counters") or {}
+        for name, value in counters.items():
+            if name.startswith("finished_"):
+                finished.add_metric([*key, name.removeprefix("finished_")], value)
+        for kind, family in tokens.items():
+            family.add_metric(key, counters.get(f"{kind}_tokens", 0))
+        lookups.add_metric(key, counters.get("cache_lookups", 0))
+        for tier in CACHE_TIERS:
+            hits.add_metric([*key, tier], counters.get(f"cache_hits_{tier}", 0))
+            hit_tokens.add_metric([*key, tier], counters.get(f"cache_hit_tokens_{tier}", 0))
+        for counter, code in DAEMON_REFUSALS.items():
+            refused.add_metric([*key, code], counters.get(counter, 0))
+        kv_pressure.add_metric(key, counters.get("kv_pressure", 0))
+        slot_list = snap.get("slots") or []
+        queue.add_metric(key, len(snap.get("queue") or []))
+        active.add_metric(key, sum(1 for s in slot_list if s.get("state") != "idle"))
+        slots.add_metric(key, len(slot_list))
+        kv = snap.get("kv") or {}
+        blocks_used.add_metric(key, kv.get("blocks_used", 0))
+        blocks_total.add_metric(key, kv.get("blocks_total", 0))
+        cache = snap.get("cache") or {}
+        ram_bytes.add_metric(key, cache.get("ram_bytes", 0))
+        ram_budget.add_metric(key, cache.get("ram_budget_bytes", 0))
+    for model, n in per_model.items():
+        live.add_metric([model], n)
+    yield from (
+        live,
+        finished,
+        *tokens.values(),
+        lookups,
+        hits,
+        hit_tokens,
+        refused,
+        kv_pressure,
+        queue,
+        active,
+        slots,
+        blocks_used,
+        blocks_total,
+        ram_bytes,
+        ram_budget,
+    )
+
+
+REGISTRY.register(DaemonCollector())
+
+
+def allowed(request: HttpRequest) -> bool:
+    """Bearer METRICS_TOKEN when one is set; else a client address in METRICS_ALLOWED_NETS."""
+    token = settings.METRICS_TOKEN
+    if token:
+        keyword, _, sent = request.headers.get("Authorization", "").partition(" ")
+        return keyword.lower() == "bearer" and hmac.compare_digest(
+            sent.strip().encode(), token.encode()
+        )
+    try:
+        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+    except ValueError:
+        return False
+    return any(
+        address in ipaddress.ip_network(net, strict=False) for net in settings.METRICS_ALLOWED_NETS
+    )
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """GET /metrics: the Prometheus text format."""
+    if not allowed(request):
+        return HttpResponse("metrics: not allowed\n", status=403, content_type="text/plain")
+    return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)

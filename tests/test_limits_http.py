@@ -1,0 +1,122 @@
+"""Tenant limits over HTTP (a real daphne; a stand-in daemon answers): the 429s a client
+sees, that a refused request is neither queued nor stored, the web's own slot release when
+a daemon dies, and a raised budget letting the tenant in at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from scheduler_daemon import protocol
+from tests.live_service import ROOT, StandIn, echo, redis_conn, wait_until, web_server
+
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def web():
+    return web_server()
+
+
+@pytest.fixture
+def standin():
+    daemon = StandIn().start()
+    yield daemon
+    daemon.stop()
+
+
+def shell(web, code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", code],
+        cwd=ROOT,
+        env=web.env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+def make_tenant(web, **limits) -> tuple[int, str]:
+    """A new tenant in the web's database with ``limits``: (tenant id, API key)."""
+    out = shell(
+        web,
+        f"""
+import json
+from accounts.models import ApiKey, Tenant
+t = Tenant.objects.create(slug="lim-{uuid.uuid4().hex[:8]}", name="Limits", **{limits!r})
+print(json.dumps([t.id, ApiKey.issue(t)[1]]))
+""",
+    )
+    tenant_id, key = json.loads(out)
+    return tenant_id, key
+
+
+def set_limits(web, tenant_id: int, **limits) -> None:
+    shell(
+        web,
+        "from accounts.models import Tenant; "
+        f"Tenant.objects.filter(pk={tenant_id}).update(**{limits!r})",
+    )
+
+
+def chat(web, standin, key, **body):
+    body = {"model": standin.model, "messages": HELLO, **body}
+    return web.request("POST", "/v1/chat/completions", body, key)
+
+
+def assert_429(reply, code: str) -> None:
+    assert reply.status == 429
+    assert int(reply.header("Retry-After")) >= 1
+    error = reply.json()["error"]
+    assert error["code"] == code and error["type"] == "rate_limit_error" and error["message"]
+
+
+def test_requests_per_minute_over_http(web, standin):
+    if time.time() % 60 > 45:  # keep the three requests inside one minute window
+        time.sleep(61 - time.time() % 60)
+    _, key = make_tenant(web, requests_per_minute=2)
+    standin.serve(echo, jobs=2)
+    assert chat(web, standin, key).status == 200
+    assert chat(web, standin, key).status == 200
+    assert_429(chat(web, standin, key), "rate_limited")
+    jobs = redis_conn().xlen(protocol.jobs_stream(standin.model))
+    assert jobs == 2  # the refused request was never queued
+    history = web.request("GET", "/v1/requests", key=key).json()["results"]
+    assert len(history) == 2  # ...nor stored
+
+
+def test_concurrency_slot_is_freed_by_the_web_when_the_daemon_dies(web, standin):
+    tenant_id, key = make_tenant(web, max_concurrent=1)
+    standin.serve(lambda daemon, job: daemon.accept(job))  # accepted, never finished
+    held = chat(web, standin, key, stream=True)
+    assert held.status == 200
+    request_id = held.header("X-Request-Id")
+    assert_429(chat(web, standin, key), "concurrency_limited")
+    inflight = protocol.inflight_key(str(tenant_id))
+    assert redis_conn().zscore(inflight, request_id) is not None
+    standin.die()  # the web notices, writes inference_interrupted and frees the slot
+    events = [data for _id, data in held.sse()]
+    assert any("inference_interrupted" in e for e in events)
+    wait_until(lambda: redis_conn().zscore(inflight, request_id) is None, timeout_s=10)
+    other = StandIn(model=standin.model).start()
+    try:
+        other.serve(echo)
+        assert chat(web, other, key).status == 200
+    finally:
+        other.stop()
+
+
+def test_budget_refuses_until_raised(web, standin):
+    tenant_id, key = make_tenant(web, monthly_token_budget=100)
+    _, month_key = protocol.usage_keys(str(tenant_id), time.time())
+    redis_conn().set(month_key, 100, ex=3600)  # as the daemon records it when requests end
+    assert_429(chat(web, standin, key), "budget_exceeded")
+    set_limits(web, tenant_id, monthly_token_budget=1000)
+    standin.serve(echo)
+    assert chat(web, standin, key).status == 200  # the new budget applies at once
