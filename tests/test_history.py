@@ -78,3 +78,11 @@ def test_health_needs_no_key(api, db):
     assert response.status_code == 200
     assert response["Content-Type"] == "application/json"
     assert response.json()["status"] == "ok"
+
+
+def test_unknown_api_url_answers_json_even_for_a_post_without_csrf(db):
+    from django.test import Client
+
+    response = Client(enforce_csrf_checks=True).post("/v1/no-such-endpoint", {"a": 1})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
