@@ -105,6 +105,7 @@ class InferenceCore:
         ))
         config = SchedulerConfig(
             chunk_size=get("CHUNK_SIZE"), max_queue=get("MAX_QUEUE"),
+            default_max_tokens=get("DEFAULT_MAX_TOKENS"),
             kv_block_tokens=get("KV_BLOCK_TOKENS"), cache_prompt=get("CACHE_PROMPT"),
             ram_cache_bytes=get("PROMPT_CACHE_RAM_MB") * 2**20,
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),

@@ -67,6 +67,21 @@ def clean_test_redis():
     client.close()
 
 
+@pytest.fixture(autouse=True)
+def fresh_tenant_limits():
+    """Drop per-tenant limit counters before each test: test databases reuse tenant ids
+    (rolled-back transactions), so one test's counters would otherwise hit the next's tenant."""
+    import redis
+
+    from scheduler_daemon import protocol
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    keys = list(client.scan_iter(f"{protocol.PREFIX}:limit:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
 @pytest.fixture
 def redis_client():
     """A client on the test Redis database (tests use their own keys and clean them up)."""

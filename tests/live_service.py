@@ -292,7 +292,8 @@ class RealDaemon:
     def __init__(self, web: WebServer, model: str, **settings: str) -> None:
         self.model = model
         self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
-        self.env = {**web.env, "MODEL_NAME": model, **settings}
+        # short default replies keep fuzzed requests (schemathesis) quick; tests that want more say so
+        self.env = {**web.env, "MODEL_NAME": model, "DEFAULT_MAX_TOKENS": "16", **settings}
         self.log_path = web.tmp / f"{model}.log"
         self.proc: subprocess.Popen | None = None
         self.redis = redis_conn()

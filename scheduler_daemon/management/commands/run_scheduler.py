@@ -20,7 +20,7 @@ from scheduler_daemon.transport import DaemonTransport
 
 log = logging.getLogger("scheduler_daemon.run")
 
-CONFIG_SETTINGS = ("N_PARALLEL", "N_CTX", "N_BATCH", "CHUNK_SIZE", "MAX_QUEUE", "N_THREADS",
+CONFIG_SETTINGS = ("N_PARALLEL", "N_CTX", "N_BATCH", "CHUNK_SIZE", "MAX_QUEUE", "DEFAULT_MAX_TOKENS", "N_THREADS",
                    "KV_BLOCK_TOKENS", "CACHE_PROMPT", "PROMPT_CACHE_RAM_MB")
 
 
