@@ -37,7 +37,6 @@ from scheduler_daemon import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-RUN_SCHEDULER = ROOT / "scheduler_daemon" / "management" / "commands" / "run_scheduler.py"
 MAKE_KEYS = """
 import json
 from accounts.models import ApiKey, Tenant

@@ -7,11 +7,10 @@ import time
 import openai
 import pytest
 
-from tests.live_service import RUN_SCHEDULER, RealDaemon, shared_daemon, wait_until, web_server
+from tests.live_service import RealDaemon, shared_daemon, wait_until, web_server
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not RUN_SCHEDULER.exists(), reason="needs manage.py run_scheduler"),
 ]
 GREEDY = {"temperature": 0, "max_tokens": 8}
 LONG = {"temperature": 0, "max_tokens": 300, "extra_body": {"ignore_eos": True}}

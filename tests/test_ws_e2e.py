@@ -8,12 +8,11 @@ import websockets
 from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
-from tests.live_service import RUN_SCHEDULER, shared_daemon, web_server
+from tests.live_service import shared_daemon, web_server
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.asyncio,
-    pytest.mark.skipif(not RUN_SCHEDULER.exists(), reason="needs manage.py run_scheduler"),
 ]
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
 
