@@ -291,7 +291,7 @@ class RealDaemon:
     def __init__(self, web: WebServer, model: str, **settings: str) -> None:
         self.model = model
         self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
-        # short default replies keep fuzzed requests (schemathesis) quick; tests that want more say so
+        # short default replies keep fuzzed requests quick; tests that want more say so
         self.env = {**web.env, "MODEL_NAME": model, "DEFAULT_MAX_TOKENS": "16", **settings}
         self.log_path = web.tmp / f"{model}.log"
         self.proc: subprocess.Popen | None = None
