@@ -1,4 +1,5 @@
 """Shared bits of the benchmark scripts: machine description and model path."""
+
 from __future__ import annotations
 
 import os
@@ -33,5 +34,7 @@ def machine() -> str:
         pass
     from importlib.metadata import version
 
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"llama-cpp-python {version('llama-cpp-python')}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"llama-cpp-python {version('llama-cpp-python')}"
+    )

@@ -8,6 +8,7 @@ Both include prefill; each figure is the best of --reps interleaved runs (other 
 shared machine only ever slows a run down). Run:  .venv/bin/python bench/engine_throughput.py
 The last line printed is JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,12 @@ def make_prompts(engine: LlamaEngine, n: int) -> list[list[int]]:
     topics = ["rivers", "mountains", "trains", "bread", "stars", "gardens", "cities", "music"]
     prompts = []
     for i in range(n):
-        text = (f"Essay {i} about {topics[i % len(topics)]}. " * 3
-                + "Write a long, careful and detailed essay about this subject, covering its history, "
-                  "its present and its future, with examples from many countries and periods. " * 4)
+        text = (
+            f"Essay {i} about {topics[i % len(topics)]}. "
+            * 3
+            + "Write a long, careful and detailed essay about this subject, covering its history, "
+            "its present and its future, with examples from many countries and periods. " * 4
+        )
         prompts.append(engine.tokenize(text)[:PROMPT_TOKENS])
     return prompts
 
@@ -53,10 +57,13 @@ def run_raw(engine: LlamaEngine, prompts: list[list[int]], new_tokens: int) -> f
     rows = [BatchRow(seq, p, 0, True) for seq, p in enumerate(prompts)]
     if engine.decode(rows) != 0:
         raise RuntimeError("raw prefill failed")
-    offsets = [sum(len(p) for p in prompts[:i + 1]) - 1 for i in range(len(prompts))]
+    offsets = [sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))]
     last = [int(engine.logits_row(o).argmax()) for o in offsets]
     for step in range(1, new_tokens):
-        rows = [BatchRow(seq, (last[seq],), PROMPT_TOKENS + step - 1, True) for seq in range(len(prompts))]
+        rows = [
+            BatchRow(seq, (last[seq],), PROMPT_TOKENS + step - 1, True)
+            for seq in range(len(prompts))
+        ]
         if engine.decode(rows) != 0:
             raise RuntimeError("raw decode failed")
         last = [int(engine.logits_row(i).argmax()) for i in range(len(prompts))]
@@ -75,13 +82,23 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n_seq = max(args.conc)
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
-                                      n_seq_max=n_seq, n_threads=args.threads))
+    engine = LlamaEngine(
+        EngineConfig(
+            model_path=model_path(),
+            n_ctx=8192,
+            n_batch=2048,
+            n_seq_max=n_seq,
+            n_threads=args.threads,
+        )
+    )
     core = InferenceCore(engine, SchedulerConfig(chunk_size=512))
     core.start()
     prompts = make_prompts(engine, n_seq)
     print(f"machine: {machine()}")
-    print(f"model: {engine.model_path}  threads={args.threads} n_ctx=8192 n_batch=2048 n_seq_max={n_seq}")
+    print(
+        f"model: {engine.model_path}  threads={args.threads} n_ctx=8192 n_batch=2048 "
+        f"n_seq_max={n_seq}"
+    )
     run_raw(engine, prompts[:1], 8)  # warm-up
     run_ours(core, prompts[:1], 8)
     rows = []
@@ -91,15 +108,26 @@ def main() -> None:
         for _ in range(args.reps):  # interleaved, so drift hits both alike
             raw.append(run_raw(engine, prompts[:conc], args.new_tokens))
             ours.append(run_ours(core, prompts[:conc], args.new_tokens))
-        row = {"conc": conc, "ours_tok_s": round(max(ours), 2),
-               "raw_tok_s": round(max(raw), 2)}
+        row = {"conc": conc, "ours_tok_s": round(max(ours), 2), "raw_tok_s": round(max(raw), 2)}
         row["ratio"] = round(row["ours_tok_s"] / row["raw_tok_s"], 3)
         rows.append(row)
-        print(f"{conc:>4} {row['ours_tok_s']:>11.2f} {row['raw_tok_s']:>10.2f} {row['ratio']:>6.3f}", flush=True)
+        print(
+            f"{conc:>4} {row['ours_tok_s']:>11.2f} {row['raw_tok_s']:>10.2f} {row['ratio']:>6.3f}",
+            flush=True,
+        )
     core.stop(grace_s=0)
     engine.close()
-    print(json.dumps({"bench": "engine_throughput", "new_tokens": args.new_tokens,
-                      "prompt_tokens": PROMPT_TOKENS, "reps": args.reps, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "engine_throughput",
+                "new_tokens": args.new_tokens,
+                "prompt_tokens": PROMPT_TOKENS,
+                "reps": args.reps,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

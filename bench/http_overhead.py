@@ -11,6 +11,7 @@ concurrency level; throughput is generated tokens / wall time of each batch (bes
 Run:  .venv/bin/python bench/http_overhead.py [--conc 1 4 8] [--new-tokens 64] [--reps 3]
 Needs Redis (--redis-url, default database 14). The last line printed is JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,23 @@ from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
 
 PROMPT_TOKENS = 100
-_DROP_JOBS = ("import sys, redis; from scheduler_daemon import protocol; "
-              "redis.Redis.from_url(sys.argv[1]).delete(protocol.jobs_stream(sys.argv[2]))")
+_DROP_JOBS = (
+    "import sys, redis; from scheduler_daemon import protocol; "
+    "redis.Redis.from_url(sys.argv[1]).delete(protocol.jobs_stream(sys.argv[2]))"
+)
 N_CTX, N_BATCH, CHUNK = 8192, 2048, 512
 
 
 def make_prompts(engine: LlamaEngine, n: int, salt: int) -> list[list[int]]:
     """``n`` distinct prompts of PROMPT_TOKENS tokens (``salt`` keeps repetitions distinct)."""
     topics = ["rivers", "mountains", "trains", "bread", "stars", "gardens", "cities", "music"]
-    return [engine.tokenize(f"Essay {salt}-{i} about {topics[i % len(topics)]}. "
-                            + "Write a long and detailed essay about this subject. " * 12)
-            [:PROMPT_TOKENS] for i in range(n)]
+    return [
+        engine.tokenize(
+            f"Essay {salt}-{i} about {topics[i % len(topics)]}. "
+            + "Write a long and detailed essay about this subject. " * 12
+        )[:PROMPT_TOKENS]
+        for i in range(n)
+    ]
 
 
 # -- in-process ----------------------------------------------------------------------------
@@ -89,9 +96,15 @@ async def one_stream(port: int, key: str, body: bytes) -> tuple[float, int]:
     """(TTFT s, completion tokens) of one streamed completion over HTTP/1.0 (no chunking)."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
-                 b"Content-Type: application/json\r\nAuthorization: Bearer " + key.encode()
-                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    writer.write(
+        b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
@@ -110,17 +123,31 @@ async def one_stream(port: int, key: str, body: bytes) -> tuple[float, int]:
 
 
 def run_http(port: int, key: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": new_tokens, "stream": True,
-                          "temperature": 0, "ignore_eos": True, "cache_prompt": False,
-                          "stream_options": {"include_usage": True}}).encode() for p in prompts]
+    bodies = [
+        json.dumps(
+            {
+                "model": model,
+                "prompt": p,
+                "max_tokens": new_tokens,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for p in prompts
+    ]
 
     async def batch() -> list[tuple[float, int]]:
         return await asyncio.gather(*(one_stream(port, key, b) for b in bodies))
 
     t0 = time.perf_counter()
     results = asyncio.run(batch())
-    return {"ttfts": [r[0] for r in results],
-            "tok_s": sum(r[1] for r in results) / (time.perf_counter() - t0)}
+    return {
+        "ttfts": [r[0] for r in results],
+        "tok_s": sum(r[1] for r in results) / (time.perf_counter() - t0),
+    }
 
 
 class Stack:
@@ -130,12 +157,23 @@ class Stack:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
         self.port = _free_port()
         self.model = model
-        self.env = {**os.environ, "REDIS_URL": redis_url, "DEBUG": "false",
-                    "SECRET_KEY": secrets.token_urlsafe(40), "ALLOWED_HOSTS": "127.0.0.1",
-                    "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}", "LOG_LEVEL": "WARNING",
-                    "MODEL_PATH": model_path(), "MODEL_NAME": model, "N_PARALLEL": str(n_parallel),
-                    "N_CTX": str(N_CTX), "N_BATCH": str(N_BATCH), "CHUNK_SIZE": str(CHUNK),
-                    "N_THREADS": str(threads), "CACHE_PROMPT": "false"}
+        self.env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "DEBUG": "false",
+            "SECRET_KEY": secrets.token_urlsafe(40),
+            "ALLOWED_HOSTS": "127.0.0.1",
+            "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
+            "LOG_LEVEL": "WARNING",
+            "MODEL_PATH": model_path(),
+            "MODEL_NAME": model,
+            "N_PARALLEL": str(n_parallel),
+            "N_CTX": str(N_CTX),
+            "N_BATCH": str(N_BATCH),
+            "CHUNK_SIZE": str(CHUNK),
+            "N_THREADS": str(threads),
+            "CACHE_PROMPT": "false",
+        }
         self.procs: list[subprocess.Popen] = []
 
     def open(self) -> str:
@@ -147,8 +185,9 @@ class Stack:
         log = (self.tmp / "log.txt").open("ab")
         daphne = [sys.executable, "-m", "daphne", "-p", str(self.port), "config.asgi:application"]
         for argv in ([*manage, "run_scheduler", "--grace", "1"], daphne):
-            self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
-                                               stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            )
         deadline = time.monotonic() + 180
         while not self._model_served():
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
@@ -158,8 +197,9 @@ class Stack:
         return key
 
     def _run(self, argv: list[str]) -> str:
-        return subprocess.run(argv, cwd=ROOT, env=self.env, check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(
+            argv, cwd=ROOT, env=self.env, check=True, capture_output=True, text=True
+        ).stdout
 
     def _model_served(self) -> bool:
         try:
@@ -202,22 +242,33 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n_seq = max(args.conc)
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=N_CTX, n_batch=N_BATCH,
-                                      n_seq_max=n_seq, n_threads=args.threads))
+    engine = LlamaEngine(
+        EngineConfig(
+            model_path=model_path(),
+            n_ctx=N_CTX,
+            n_batch=N_BATCH,
+            n_seq_max=n_seq,
+            n_threads=args.threads,
+        )
+    )
     core = InferenceCore(engine, SchedulerConfig(chunk_size=CHUNK, cache_prompt=False))
     core.start()
     stack = Stack(args.redis_url, n_seq, args.threads, f"bench-{secrets.token_hex(3)}")
     try:
         key = stack.open()
         print(f"machine: {machine()}")
-        print(f"n_ctx={N_CTX} n_batch={N_BATCH} n_seq_max={n_seq} threads={args.threads} "
-              f"prompt={PROMPT_TOKENS} new={args.new_tokens} reps={args.reps}")
+        print(
+            f"n_ctx={N_CTX} n_batch={N_BATCH} n_seq_max={n_seq} threads={args.threads} "
+            f"prompt={PROMPT_TOKENS} new={args.new_tokens} reps={args.reps}"
+        )
         warm = make_prompts(engine, 1, -1)
         run_inproc(core, warm, 4)
         run_http(stack.port, key, stack.model, warm, 4)
         rows = []
-        print(f"{'conc':>4} {'ttft inproc':>11} {'ttft http':>9} {'tok/s inproc':>12} "
-              f"{'tok/s http':>10} {'ratio':>6}")
+        print(
+            f"{'conc':>4} {'ttft inproc':>11} {'ttft http':>9} {'tok/s inproc':>12} "
+            f"{'tok/s http':>10} {'ratio':>6}"
+        )
         for conc in args.conc:
             inproc = {"ttfts": [], "tok_s": []}
             http = {"ttfts": [], "tok_s": []}
@@ -229,25 +280,45 @@ def main() -> None:
                 ):
                     mode["ttfts"] += result["ttfts"]
                     mode["tok_s"].append(result["tok_s"])
-            row = {"conc": conc,
-                   "inproc": {"ttft_p50_ms": p50_ms(inproc["ttfts"]),
-                              "tok_s": round(max(inproc["tok_s"]), 2)},
-                   "http": {"ttft_p50_ms": p50_ms(http["ttfts"]),
-                            "tok_s": round(max(http["tok_s"]), 2)}}
-            row["ttft_overhead_ms"] = round(row["http"]["ttft_p50_ms"]
-                                            - row["inproc"]["ttft_p50_ms"], 1)
+            row = {
+                "conc": conc,
+                "inproc": {
+                    "ttft_p50_ms": p50_ms(inproc["ttfts"]),
+                    "tok_s": round(max(inproc["tok_s"]), 2),
+                },
+                "http": {
+                    "ttft_p50_ms": p50_ms(http["ttfts"]),
+                    "tok_s": round(max(http["tok_s"]), 2),
+                },
+            }
+            row["ttft_overhead_ms"] = round(
+                row["http"]["ttft_p50_ms"] - row["inproc"]["ttft_p50_ms"], 1
+            )
             row["throughput_ratio"] = round(row["http"]["tok_s"] / row["inproc"]["tok_s"], 3)
             rows.append(row)
-            print(f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms "
-                  f"{row['http']['ttft_p50_ms']:>7.1f}ms {row['inproc']['tok_s']:>12.2f} "
-                  f"{row['http']['tok_s']:>10.2f} {row['throughput_ratio']:>6.3f}", flush=True)
+            print(
+                f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms "
+                f"{row['http']['ttft_p50_ms']:>7.1f}ms {row['inproc']['tok_s']:>12.2f} "
+                f"{row['http']['tok_s']:>10.2f} {row['throughput_ratio']:>6.3f}",
+                flush=True,
+            )
     finally:
         stack.close()
         core.stop(grace_s=0)
         engine.close()
-    print(json.dumps({"bench": "http_overhead", "machine": machine(), "threads": args.threads,
-                      "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
-                      "reps": args.reps, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "http_overhead",
+                "machine": machine(),
+                "threads": args.threads,
+                "prompt_tokens": PROMPT_TOKENS,
+                "new_tokens": args.new_tokens,
+                "reps": args.reps,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ over the same model:
 Run:  .venv/bin/python bench/prefix_cache.py   (--quick: 4 conversations x 2 turns, a smoke run)
 The last line printed is JSON: {"bench": "prefix_cache", "modes": {"off": {...}, ...}}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,16 @@ SYSTEM = (
     "closed on Sundays and public holidays. Repairs of zips, seams and tent poles are done in "
     "the Lyon workshop and take about two weeks."
 )
-TOPICS = ["a two-person tent", "a winter sleeping bag", "a camping stove", "climbing shoes",
-          "a rain jacket", "hiking boots", "a gift card", "a repair of my tent pole"]
+TOPICS = [
+    "a two-person tent",
+    "a winter sleeping bag",
+    "a camping stove",
+    "climbing shoes",
+    "a rain jacket",
+    "hiking boots",
+    "a gift card",
+    "a repair of my tent pole",
+]
 QUESTIONS = [
     "Hello! I have a question about {topic}.",
     "Which one would you recommend for a weekend trip in spring?",
@@ -83,13 +92,22 @@ def run_mode(engine: LlamaEngine, mode: str, args: argparse.Namespace) -> dict:
             for i in pair:
                 question = QUESTIONS[turn % len(QUESTIONS)].format(topic=TOPICS[i % len(TOPICS)])
                 chats[i].append({"role": "user", "content": question})
-                handles[i] = core.submit(messages=chats[i], params=params, cache_scope="tenant-1",
-                                         session=f"conv-{i}" if sessions else None)
+                handles[i] = core.submit(
+                    messages=chats[i],
+                    params=params,
+                    cache_scope="tenant-1",
+                    session=f"conv-{i}" if sessions else None,
+                )
             for i, handle in handles.items():
                 done = handle.result(timeout=600)
                 stats = done.finished.stats
-                results.append({"ttft_ms": stats.ttft_ms, "prompt_tokens": stats.prompt_tokens,
-                                "cached_tokens": stats.cached_tokens})
+                results.append(
+                    {
+                        "ttft_ms": stats.ttft_ms,
+                        "prompt_tokens": stats.prompt_tokens,
+                        "cached_tokens": stats.cached_tokens,
+                    }
+                )
                 chats[i].append({"role": "assistant", "content": done.text})
     wall_s = time.perf_counter() - t0
     counters = dict(core.scheduler.counters)
@@ -124,25 +142,46 @@ def main() -> None:
     if args.quick:
         args.conversations, args.turns = 4, 2
     logging.basicConfig(level=logging.WARNING)
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
-                                      n_seq_max=args.slots, n_threads=args.threads))
+    engine = LlamaEngine(
+        EngineConfig(
+            model_path=model_path(),
+            n_ctx=8192,
+            n_batch=2048,
+            n_seq_max=args.slots,
+            n_threads=args.threads,
+        )
+    )
     system_tokens = len(engine.tokenize(SYSTEM, add_special=False))
     print(f"machine: {machine()}")
-    print(f"model: {engine.model_path}  threads={args.threads} slots={args.slots} "
-          f"system prompt={system_tokens} tokens  {args.conversations} conversations x "
-          f"{args.turns} turns, {args.new_tokens} new tokens, two at a time")
+    print(
+        f"model: {engine.model_path}  threads={args.threads} slots={args.slots} "
+        f"system prompt={system_tokens} tokens  {args.conversations} conversations x "
+        f"{args.turns} turns, {args.new_tokens} new tokens, two at a time"
+    )
     modes = {}
     print(f"{'mode':>9} {'ttft p50 ms':>12} {'ttft p90 ms':>12} {'cached':>7} {'wall s':>7}")
     for mode in args.modes:
         row = modes[mode] = run_mode(engine, mode, args)
-        print(f"{mode:>9} {row['ttft_ms_median']:>12.1f} {row['ttft_ms_p90']:>12.1f} "
-              f"{row['cached_ratio']:>7.3f} {row['wall_s']:>7.2f}", flush=True)
+        print(
+            f"{mode:>9} {row['ttft_ms_median']:>12.1f} {row['ttft_ms_p90']:>12.1f} "
+            f"{row['cached_ratio']:>7.3f} {row['wall_s']:>7.2f}",
+            flush=True,
+        )
     engine.close()
-    print(json.dumps({
-        "bench": "prefix_cache", "machine": machine(), "conversations": args.conversations,
-        "turns": args.turns, "slots": args.slots, "system_tokens": system_tokens,
-        "new_tokens": args.new_tokens, "modes": modes,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "prefix_cache",
+                "machine": machine(),
+                "conversations": args.conversations,
+                "turns": args.turns,
+                "slots": args.slots,
+                "system_tokens": system_tokens,
+                "new_tokens": args.new_tokens,
+                "modes": modes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Which template: a configured one (``CHAT_TEMPLATE``: jinja2 text, or the name of
 llama.cpp built-in), else the GGUF's ``tokenizer.chat_template``, else the llama.cpp
 built-in named for the model's architecture (Gemma 3 270M ships no template: ``gemma``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,14 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidParameter(where, "only text parts ({'type': 'text', 'text': ...}) are supported")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidParameter(
+                    where, "only text parts ({'type': 'text', 'text': ...}) are supported"
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidParameter(where, "must be a string or a list of text parts")
@@ -94,7 +101,7 @@ class ChatRenderer:
             )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"the chat template refused them: {exc}") from None
-        return text[len(bos):] if bos and text.startswith(bos) else text
+        return text[len(bos) :] if bos and text.startswith(bos) else text
 
 
 def _raise(message: str) -> None:

@@ -14,6 +14,7 @@ Usage::
 invalid_request_error naming the field) before anything is queued. Events of every
 request also go to ``listeners`` (the daemon's Redis transport hooks in there).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,7 +47,7 @@ class Completion:
 class RequestHandle:
     """A submitted request: iterate its events, or wait for the whole reply."""
 
-    def __init__(self, request_id: str, core: "InferenceCore") -> None:
+    def __init__(self, request_id: str, core: InferenceCore) -> None:
         self.id = request_id
         self._core = core
         self._events: queue.Queue[Event] = queue.Queue()
@@ -77,8 +78,13 @@ class RequestHandle:
 class InferenceCore:
     """Owns the scheduler loop thread; safe to call from any thread."""
 
-    def __init__(self, engine: Any, config: SchedulerConfig, chat_template: str = "",
-                 on_tick: Callable[[TickStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        config: SchedulerConfig,
+        chat_template: str = "",
+        on_tick: Callable[[TickStats], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.chat = ChatRenderer(engine, chat_template)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
@@ -90,7 +96,7 @@ class InferenceCore:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_settings(cls, **overrides: Any) -> "InferenceCore":
+    def from_settings(cls, **overrides: Any) -> InferenceCore:
         """Load the model and size everything from Django settings (keyword overrides win)."""
         from django.conf import settings
 
@@ -99,14 +105,21 @@ class InferenceCore:
         def get(name: str) -> Any:
             return overrides.get(name.lower(), getattr(settings, name))
 
-        engine = LlamaEngine(EngineConfig(
-            model_path=str(get("MODEL_PATH")), n_ctx=get("N_CTX"), n_batch=get("N_BATCH"),
-            n_seq_max=get("N_PARALLEL"), n_threads=get("N_THREADS") or os.cpu_count() or 1,
-        ))
+        engine = LlamaEngine(
+            EngineConfig(
+                model_path=str(get("MODEL_PATH")),
+                n_ctx=get("N_CTX"),
+                n_batch=get("N_BATCH"),
+                n_seq_max=get("N_PARALLEL"),
+                n_threads=get("N_THREADS") or os.cpu_count() or 1,
+            )
+        )
         config = SchedulerConfig(
-            chunk_size=get("CHUNK_SIZE"), max_queue=get("MAX_QUEUE"),
+            chunk_size=get("CHUNK_SIZE"),
+            max_queue=get("MAX_QUEUE"),
             default_max_tokens=get("DEFAULT_MAX_TOKENS"),
-            kv_block_tokens=get("KV_BLOCK_TOKENS"), cache_prompt=get("CACHE_PROMPT"),
+            kv_block_tokens=get("KV_BLOCK_TOKENS"),
+            cache_prompt=get("CACHE_PROMPT"),
             ram_cache_bytes=get("PROMPT_CACHE_RAM_MB") * 2**20,
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
         )
@@ -145,17 +158,28 @@ class InferenceCore:
 
     # -- requests -----------------------------------------------------------------
 
-    def submit(self, prompt: str | list[int] | None = None, messages: Any = None,
-               params: SamplingParams | None = None, request_id: str | None = None,
-               cache_scope: str = "", session: str | None = None,
-               cache_prompt: bool | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: Any = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_scope: str = "",
+        session: str | None = None,
+        cache_prompt: bool | None = None,
+    ) -> RequestHandle:
         """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``)."""
         arrival = time.monotonic()
         self.scheduler.check_capacity()
         tokens = self.prompt_tokens(prompt, messages)
         request = Request(
-            id=request_id or uuid.uuid4().hex, prompt_tokens=tokens, params=params or SamplingParams(),
-            cache_scope=cache_scope, session=session, cache_prompt=cache_prompt, arrival=arrival,
+            id=request_id or uuid.uuid4().hex,
+            prompt_tokens=tokens,
+            params=params or SamplingParams(),
+            cache_scope=cache_scope,
+            session=session,
+            cache_prompt=cache_prompt,
+            arrival=arrival,
         )
         handle = RequestHandle(request.id, self)
         handle.prompt_tokens = len(tokens)

@@ -4,6 +4,7 @@ Only this module imports ``llama_cpp`` (the low-level ctypes API of llama-cpp-py
 0.3.36). Everything above it (``scheduler.py``) talks to an object with this class's
 public methods, so the policy is tested with a fake engine and no model.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +27,13 @@ llama_log = logging.getLogger("llama_cpp")
 
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line.
 # llama.cpp's "info" is a model-loading dump: it goes to DEBUG here.
-_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_LEVELS = {
+    0: logging.DEBUG,
+    1: logging.DEBUG,
+    2: logging.DEBUG,
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
 
 
 class _LlamaLogSink:
@@ -105,7 +112,7 @@ class _Batch:
             k = len(row.tokens)
             end = n + k
             self.token[n:end] = row.tokens
-            self.pos[n:end] = positions[row.pos0:row.pos0 + k]
+            self.pos[n:end] = positions[row.pos0 : row.pos0 + k]
             self.seq[n:end] = row.seq_id
             self.logits[n:end] = 0
             if row.logits:
@@ -125,7 +132,9 @@ class LlamaEngine:
         route_llama_logs()
         lc.llama_backend_init()
         log.info("loading model %s (%.0f MB)", path, path.stat().st_size / 2**20)
-        self._model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        self._model = lc.llama_model_load_from_file(
+            str(path).encode(), lc.llama_model_default_params()
+        )
         if not self._model:
             raise EngineError(f"llama.cpp could not load {path}")
         self._ctx = lc.llama_init_from_model(self._model, self._context_params(config))
@@ -155,7 +164,11 @@ class LlamaEngine:
         self.kv_bytes_per_token = self._measure_kv_bytes_per_token()
         log.info(
             "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
-            self.architecture, self.n_vocab, self.n_ctx, self.n_batch, self.n_seq_max,
+            self.architecture,
+            self.n_vocab,
+            self.n_ctx,
+            self.n_batch,
+            self.n_seq_max,
         )
 
     @staticmethod
@@ -221,7 +234,9 @@ class LlamaEngine:
             if abortable:
                 lc.llama_set_abort_callback(self._ctx, self._abort_callback, None)
             else:
-                lc.llama_set_abort_callback(self._ctx, ctypes.cast(None, lc.ggml_abort_callback), None)
+                lc.llama_set_abort_callback(
+                    self._ctx, ctypes.cast(None, lc.ggml_abort_callback), None
+                )
             self._abort_installed = abortable
         if self._batch.fill(rows, self._positions) == 0:
             return DECODE_OK
@@ -287,7 +302,7 @@ class LlamaEngine:
 
     # -- samplers ------------------------------------------------------------------
 
-    def new_sampler(self, params: SamplingParams) -> "LlamaSampler":
+    def new_sampler(self, params: SamplingParams) -> LlamaSampler:
         """A request's own sampler; raises ``InvalidParameter`` for a bad grammar or bias."""
         return LlamaSampler(self, params)
 
@@ -298,8 +313,12 @@ class LlamaEngine:
         if params.json_schema is not None:
             try:
                 return "json_schema", json_schema_to_gbnf(params.json_schema)
-            except Exception as exc:  # the converter raises bare exceptions on schemas it cannot express
-                raise InvalidParameter("json_schema", f"cannot be turned into a grammar: {exc}") from None
+            except (
+                Exception
+            ) as exc:  # the converter raises bare exceptions on schemas it cannot express
+                raise InvalidParameter(
+                    "json_schema", f"cannot be turned into a grammar: {exc}"
+                ) from None
         return None
 
     # -- chat templates ------------------------------------------------------------
@@ -319,7 +338,8 @@ class LlamaEngine:
         return "chatml"
 
     def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
-        """Render (role, content) pairs with a llama.cpp built-in template, ending with the assistant prompt."""
+        """Render (role, content) pairs with a llama.cpp built-in template, ending with the
+        assistant's turn."""
         encoded = [(r.encode(), c.encode()) for r, c in messages]
         chat = (lc.llama_chat_message * len(encoded))(
             *(lc.llama_chat_message(role=r, content=c) for r, c in encoded)
@@ -392,7 +412,9 @@ class LlamaSampler:
     def _add(self, sampler: object) -> None:
         lc.llama_sampler_chain_add(self._chain, sampler)
 
-    def _build_chain(self, params: SamplingParams, bias: dict[int, float], grammar: tuple[str, str] | None) -> None:
+    def _build_chain(
+        self, params: SamplingParams, bias: dict[int, float], grammar: tuple[str, str] | None
+    ) -> None:
         n_vocab = self._engine.n_vocab
         if bias:
             entries = (lc.llama_logit_bias * len(bias))(
@@ -400,10 +422,15 @@ class LlamaSampler:
             )
             self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(bias), entries))
         if params.uses_penalties:
-            self._add(lc.llama_sampler_init_penalties(
-                n_vocab, params.penalty_last_n, params.repeat_penalty,
-                params.frequency_penalty, params.presence_penalty,
-            ))
+            self._add(
+                lc.llama_sampler_init_penalties(
+                    n_vocab,
+                    params.penalty_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )
         if grammar is not None:
             field, gbnf = grammar
             sampler = lc.llama_sampler_init_grammar(self._engine._vocab, gbnf.encode(), b"root")
@@ -435,7 +462,10 @@ class LlamaSampler:
         cand["logit"] = logits
         cand["p"] = 0.0
         arr = lc.llama_token_data_array(
-            data=cand.ctypes.data_as(lc.llama_token_data_p), size=cand.size, selected=-1, sorted=False
+            data=cand.ctypes.data_as(lc.llama_token_data_p),
+            size=cand.size,
+            selected=-1,
+            sorted=False,
         )
         lc.llama_sampler_apply(self._chain, ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size:
@@ -452,6 +482,13 @@ class LlamaSampler:
 
 
 __all__ = [
-    "BatchRow", "DECODE_ABORTED", "DECODE_KV_FULL", "DECODE_OK", "EngineConfig",
-    "EngineError", "LlamaEngine", "LlamaSampler", "route_llama_logs",
+    "BatchRow",
+    "DECODE_ABORTED",
+    "DECODE_KV_FULL",
+    "DECODE_OK",
+    "EngineConfig",
+    "EngineError",
+    "LlamaEngine",
+    "LlamaSampler",
+    "route_llama_logs",
 ]

@@ -1,4 +1,5 @@
 """The shapes shared by the engine and the scheduler, without importing llama_cpp."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -3,6 +3,7 @@
 The codes match the error table in docs (and ../shared/DESIGN.md): the web layer maps
 them to HTTP statuses; the scheduler only names them.
 """
+
 from __future__ import annotations
 
 from typing import Any

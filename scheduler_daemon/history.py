@@ -4,6 +4,7 @@ The daemon closes every row it touches, so history is right even when no client 
 listening any more. A row that does not exist (a job queued without one) is skipped.
 Database trouble is logged, never allowed to stop token delivery.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,22 @@ def _update(request_id: str, only_if_status: str | None = None, **fields: Any) -
 
 def mark_running(request_id: str, prompt_tokens: int) -> None:
     """The daemon accepted the request (never reopens a row that is already closed)."""
-    _update(request_id, only_if_status="queued", status="running", started=timezone.now(), prompt_tokens=prompt_tokens)
+    _update(
+        request_id,
+        only_if_status="queued",
+        status="running",
+        started=timezone.now(),
+        prompt_tokens=prompt_tokens,
+    )
 
 
-def mark_finished(request_id: str, finish_reason: str, usage: dict[str, Any] | None,
-                  timings: dict[str, Any] | None, error_code: str = "") -> None:
+def mark_finished(
+    request_id: str,
+    finish_reason: str,
+    usage: dict[str, Any] | None,
+    timings: dict[str, Any] | None,
+    error_code: str = "",
+) -> None:
     """The request ended (done, cancelled or error); record its accounting, never its text."""
     fields: dict[str, Any] = {
         "status": _STATUS.get(finish_reason, "error"),

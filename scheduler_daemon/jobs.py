@@ -3,10 +3,11 @@
 ``Job`` is a request inside the scheduler, ``Slot`` one llama.cpp sequence. Requests are
 always found by id (``Scheduler._jobs``), never by their position in a batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, Protocol
 
 from .sampling import SamplingParams
@@ -37,7 +38,7 @@ FINISH_REASON = {
 }
 
 
-class SlotState(str, Enum):
+class SlotState(StrEnum):
     """What a slot (one llama.cpp sequence id) is doing."""
 
     IDLE = "idle"  # free; its KV may still hold a cached prefix of its scope
@@ -84,7 +85,7 @@ class Job:
     blocks: int
     text: TextStream
     status: Status = Status.WAITING
-    slot: "Slot | None" = None
+    slot: Slot | None = None
     output: list[int] = field(default_factory=list)
     unsent_tokens: int = 0  # tokens generated since the last TokenEvent
     cached_tokens: int = 0

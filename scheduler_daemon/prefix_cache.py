@@ -14,6 +14,7 @@ KV pressure) it is saved to RAM, if that tier is on and the state fits its budge
 The last prompt token is always evaluated, so there are logits to sample the first token.
 All methods run on the scheduler's loop thread with its lock held.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,7 +55,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     if a[:n] == b[:n]:  # the common case, compared at C speed
         return n
     i = 0
-    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
         i += 64
     while i < n and a[i] == b[i]:
         i += 1
@@ -72,9 +73,16 @@ class _Source:
 class PrefixCache:
     """Lookups, adoption, RAM saves and restores, their counters and events."""
 
-    def __init__(self, engine: CacheEngine, ram: RamCache | None, cross_slot: bool,
-                 min_save_tokens: int, counters: Counter[str], emit: Callable[[CacheEvent], None],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        ram: RamCache | None,
+        cross_slot: bool,
+        min_save_tokens: int,
+        counters: Counter[str],
+        emit: Callable[[CacheEvent], None],
+        clock: Callable[[], float],
+    ) -> None:
         self.engine = engine
         self.ram = ram
         self.cross_slot = cross_slot
@@ -88,7 +96,8 @@ class PrefixCache:
         prompt, limit = job.prompt, len(job.prompt) - 1
         matches = {
             s.seq_id: common_prefix_len(s.tokens, prompt)
-            for s in slots if job.cache_prompt and s.scope == job.cache_scope and s.tokens
+            for s in slots
+            if job.cache_prompt and s.scope == job.cache_scope and s.tokens
         }
         own = min(matches.get(slot.seq_id, 0), limit)
         best = _Source("slot", own, slot)
@@ -162,18 +171,29 @@ class PrefixCache:
         per_token = self.engine.kv_bytes_per_token
         out: list[dict[str, Any]] = [
             {
-                "tier": "slot", "slot": s.seq_id, "cache_scope": s.scope, "tokens": len(s.tokens),
+                "tier": "slot",
+                "slot": s.seq_id,
+                "cache_scope": s.scope,
+                "tokens": len(s.tokens),
                 "bytes": len(s.tokens) * per_token,  # estimated; cells shared by seq_cp count twice
                 "age_ms": _age_ms(now, s.last_used) if s.state is SlotState.IDLE else 0.0,
                 "hits": s.cache_hits,
             }
-            for s in slots if s.scope is not None and s.tokens
+            for s in slots
+            if s.scope is not None and s.tokens
         ]
-        for e in (self.ram.entries()[::-1] if self.ram is not None else []):
-            out.append({
-                "tier": "ram", "slot": None, "cache_scope": e.cache_scope, "tokens": len(e.tokens),
-                "bytes": e.size_bytes, "age_ms": _age_ms(now, e.last_used), "hits": e.hits,
-            })
+        for e in self.ram.entries()[::-1] if self.ram is not None else []:
+            out.append(
+                {
+                    "tier": "ram",
+                    "slot": None,
+                    "cache_scope": e.cache_scope,
+                    "tokens": len(e.tokens),
+                    "bytes": e.size_bytes,
+                    "age_ms": _age_ms(now, e.last_used),
+                    "hits": e.hits,
+                }
+            )
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -188,8 +208,9 @@ class PrefixCache:
 
     # -- pieces -----------------------------------------------------------------------
 
-    def _lookup(self, job: Job, slot: Slot, slots: list[Slot], matches: dict[int, int],
-                best: _Source) -> _Source:
+    def _lookup(
+        self, job: Job, slot: Slot, slots: list[Slot], matches: dict[int, int], best: _Source
+    ) -> _Source:
         limit = len(job.prompt) - 1
         if self.cross_slot:
             for other in slots:
@@ -214,10 +235,23 @@ class PrefixCache:
         matched, history = matches[ref.seq_id], len(ref.tokens)
         lo, hi = INSTABILITY_RANGE
         if lo <= matched / history < hi:
-            log.info("prefix instability: request %s (scope %s) matches %d of %d cached tokens"
-                     " of slot %d", job.id, job.cache_scope, matched, history, ref.seq_id)
-            self._event("prefix_instability", job.cache_scope, matched, 0, request_id=job.id,
-                        history_tokens=history)
+            log.info(
+                "prefix instability: request %s (scope %s) matches %d of %d cached tokens"
+                " of slot %d",
+                job.id,
+                job.cache_scope,
+                matched,
+                history,
+                ref.seq_id,
+            )
+            self._event(
+                "prefix_instability",
+                job.cache_scope,
+                matched,
+                0,
+                request_id=job.id,
+                history_tokens=history,
+            )
 
     def _truncate(self, slot: Slot, keep: int) -> int:
         """Cut a slot's KV back to ``keep`` tokens; all of it if the cut leaves it unusable."""
@@ -271,8 +305,9 @@ class PrefixCache:
         if kind != "prefix_instability":
             self.counters[f"{name}_bytes"] += size_bytes
             self.counters[f"{name}_tokens"] += n_tokens
-            log.debug("RAM cache %s: scope %s, %d tokens, %d bytes",
-                      kind, scope, n_tokens, size_bytes)
+            log.debug(
+                "RAM cache %s: scope %s, %d tokens, %d bytes", kind, scope, n_tokens, size_bytes
+            )
         self._emit(CacheEvent(kind, scope, n_tokens, size_bytes, **extra))
 
 

@@ -18,6 +18,7 @@ Daemons   ``llm:daemons``            sorted set: daemon id -> last heartbeat (un
                                      its last heartbeat: a missing key means a dead daemon
 Control   ``llm:control:<id>``       Stream of operator commands for one daemon (admin actions)
 """
+
 from __future__ import annotations
 
 import json

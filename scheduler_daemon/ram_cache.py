@@ -6,6 +6,7 @@ the same scope. No entry is stored larger than the budget (or than one scope's s
 it), and room is made *before* the state is copied out, so the total never passes the
 budget. Pure Python: the bytes are an opaque object the engine made and reads back.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -35,8 +36,9 @@ class RamCache:
     only the last window of its SWA layers, so it can be restored whole but not cut shorter.
     """
 
-    def __init__(self, budget_bytes: int, tenant_share: float = 1.0,
-                 partial_max_tokens: int = 0) -> None:
+    def __init__(
+        self, budget_bytes: int, tenant_share: float = 1.0, partial_max_tokens: int = 0
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.tenant_share = tenant_share
         self.scope_limit_bytes = int(budget_bytes * min(max(tenant_share, 0.0), 1.0))
@@ -63,8 +65,9 @@ class RamCache:
             return 0
         return n
 
-    def lookup(self, cache_scope: str, prompt: list[int],
-               limit: int) -> tuple[RamEntry | None, int]:
+    def lookup(
+        self, cache_scope: str, prompt: list[int], limit: int
+    ) -> tuple[RamEntry | None, int]:
         """The same-scope entry that gives the longest usable prefix of ``prompt``."""
         best, best_n = None, 0
         for entry in self._entries.values():
@@ -78,7 +81,8 @@ class RamCache:
         """Whether an entry of this scope already holds ``tokens`` (or a usable extension)."""
         n = len(tokens)
         return any(
-            e.cache_scope == cache_scope and e.tokens[:n] == tokens
+            e.cache_scope == cache_scope
+            and e.tokens[:n] == tokens
             and (len(e.tokens) == n or self._cuttable(e.tokens))
             for e in self._entries.values()
         )
@@ -87,14 +91,15 @@ class RamCache:
         """Whether an entry this large may be stored at all (after evicting others)."""
         return size_bytes <= self.budget_bytes and size_bytes <= self.scope_limit_bytes
 
-    def make_room(self, cache_scope: str, tokens: list[int], size_bytes: int,
-                  protect: RamEntry | None = None) -> tuple[list[RamEntry], bool]:
+    def make_room(
+        self, cache_scope: str, tokens: list[int], size_bytes: int, protect: RamEntry | None = None
+    ) -> tuple[list[RamEntry], bool]:
         """Evict so that a new entry fits: first what it makes redundant, then the scope's
         LRU (its share), then the global LRU. Returns (evicted entries, room made)."""
         evicted = []
         if self._cuttable(tokens):  # the new entry serves every lookup its own prefixes did
             for e in list(self._entries.values()):
-                redundant = e.cache_scope == cache_scope and tokens[:len(e.tokens)] == e.tokens
+                redundant = e.cache_scope == cache_scope and tokens[: len(e.tokens)] == e.tokens
                 if redundant and e is not protect:
                     evicted.append(self._remove(e))
         for scoped in (True, False):
@@ -107,12 +112,15 @@ class RamCache:
                     break
                 if e is not protect and (not scoped or e.cache_scope == cache_scope):
                     evicted.append(self._remove(e))
-        room = (self.total_bytes + size_bytes <= self.budget_bytes
-                and self.scope_bytes(cache_scope) + size_bytes <= self.scope_limit_bytes)
+        room = (
+            self.total_bytes + size_bytes <= self.budget_bytes
+            and self.scope_bytes(cache_scope) + size_bytes <= self.scope_limit_bytes
+        )
         return evicted, room
 
-    def add(self, cache_scope: str, tokens: list[int], data: Any, size_bytes: int,
-            now: float) -> RamEntry:
+    def add(
+        self, cache_scope: str, tokens: list[int], data: Any, size_bytes: int, now: float
+    ) -> RamEntry:
         """Store an entry; the caller made room first (``make_room``)."""
         entry = RamEntry(cache_scope, list(tokens), data, size_bytes, now, id=self._next_id)
         self._next_id += 1

@@ -4,6 +4,7 @@
 raises ``InvalidParameter`` naming the field. Building the llama.cpp sampler chain from
 these parameters is the engine's job (``engine.LlamaEngine.new_sampler``).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,7 @@ class SamplingParams:
         )
 
     @classmethod
-    def from_dict(cls, body: Mapping[str, Any]) -> "SamplingParams":
+    def from_dict(cls, body: Mapping[str, Any]) -> SamplingParams:
         """Read the sampling fields of a request body; unknown keys are left to the caller."""
         values: dict[str, Any] = {}
         for name, check in _CHECKS.items():
@@ -150,4 +151,3 @@ _CHECKS: dict[str, Any] = {
     "ignore_eos": _bool,
 }
 assert set(_CHECKS) == FIELD_NAMES, "every sampling field has exactly one check"
-

@@ -6,6 +6,7 @@ threads may call ``submit``, ``cancel`` and ``snapshot`` at any time. Cancels ta
 the next tick boundary; a long prefill in flight is cut short through the engine's abort
 flag and rolled back, never changed from another thread mid-decode.
 """
+
 from __future__ import annotations
 
 import logging
@@ -124,10 +125,18 @@ class Scheduler:
         self.on_cache_event = on_cache_event  # may be set later; runs with the lock held
         ram = None
         if config.ram_cache_bytes > 0:
-            ram = RamCache(config.ram_cache_bytes, config.ram_tenant_share,
-                           partial_max_tokens=engine.n_swa)
-        self.cache = PrefixCache(engine, ram, config.cross_slot, config.ram_min_tokens,
-                                 self.counters, self._cache_event, clock)
+            ram = RamCache(
+                config.ram_cache_bytes, config.ram_tenant_share, partial_max_tokens=engine.n_swa
+            )
+        self.cache = PrefixCache(
+            engine,
+            ram,
+            config.cross_slot,
+            config.ram_min_tokens,
+            self.counters,
+            self._cache_event,
+            clock,
+        )
         for slot in self._slots:  # a new scheduler owns the context: start from empty sequences
             engine.kv_remove(slot.seq_id, 0, -1)
 
@@ -141,7 +150,8 @@ class Scheduler:
             if len(self._waiting) >= self.config.max_queue:
                 self.counters["refused_queue_full"] += 1
                 raise Refusal(
-                    errors.QUEUE_FULL, f"the queue is full ({self.config.max_queue} waiting)",
+                    errors.QUEUE_FULL,
+                    f"the queue is full ({self.config.max_queue} waiting)",
                     max_queue=self.config.max_queue,
                 )
 
@@ -160,7 +170,9 @@ class Scheduler:
             max_tokens=max_tokens,
             sampler=sampler,
             cache_scope=request.cache_scope,
-            cache_prompt=self.config.cache_prompt if request.cache_prompt is None else request.cache_prompt,
+            cache_prompt=self.config.cache_prompt
+            if request.cache_prompt is None
+            else request.cache_prompt,
             session=request.session,
             arrival=request.arrival if request.arrival is not None else self._clock(),
             blocks=math.ceil((n_prompt + max_tokens) / self.config.kv_block_tokens),
@@ -203,7 +215,9 @@ class Scheduler:
             for request_id in list(self._jobs):
                 self.cancel(request_id)
 
-    def fail_all(self, code: str = errors.ENGINE_ERROR, message: str = "the scheduler failed") -> None:
+    def fail_all(
+        self, code: str = errors.ENGINE_ERROR, message: str = "the scheduler failed"
+    ) -> None:
         """End every request with an error (after a bug in a tick; never leave callers hanging)."""
         with self._lock:
             self._cancels.clear()
@@ -216,8 +230,11 @@ class Scheduler:
         """Forget one scope's cached prefixes in idle slots and the RAM tier; returns how
         many entries went. Slots still serving a request of that scope are left alone."""
         with self._lock:
-            idle = [s for s in self._slots
-                    if s.state is SlotState.IDLE and s.scope == cache_scope and s.tokens]
+            idle = [
+                s
+                for s in self._slots
+                if s.state is SlotState.IDLE and s.scope == cache_scope and s.tokens
+            ]
             for slot in idle:
                 self._forget(slot)
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
@@ -240,8 +257,10 @@ class Scheduler:
                 "slots": [self._slot_info(s) for s in self._slots],
                 "queue": [
                     {
-                        "request_id": j.id, "cache_scope": j.cache_scope,
-                        "prompt_tokens": len(j.prompt), "max_tokens": j.max_tokens,
+                        "request_id": j.id,
+                        "cache_scope": j.cache_scope,
+                        "prompt_tokens": len(j.prompt),
+                        "max_tokens": j.max_tokens,
                         "age_ms": round((now - j.arrival) * 1000, 1),
                     }
                     for j in self._waiting
@@ -317,7 +336,11 @@ class Scheduler:
     def _max_tokens_for(self, params: SamplingParams, n_prompt: int) -> int:
         limit = self.max_request_tokens
         room = limit - n_prompt
-        wanted = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        wanted = (
+            params.max_tokens
+            if params.max_tokens is not None
+            else min(self.config.default_max_tokens, room)
+        )
         if room < 1 or n_prompt + wanted > limit:
             self.counters["refused_context_length"] += 1
             raise Refusal(
@@ -325,7 +348,9 @@ class Scheduler:
                 f"this request needs {n_prompt} prompt tokens + {wanted} max_tokens = "
                 f"{n_prompt + wanted} tokens, more than the limit of {limit}",
                 param="max_tokens" if room >= 1 else "prompt",
-                prompt_tokens=n_prompt, max_tokens=wanted, limit=limit,
+                prompt_tokens=n_prompt,
+                max_tokens=wanted,
+                limit=limit,
             )
         return wanted
 
@@ -371,8 +396,11 @@ class Scheduler:
         head = self._head()
         if head.passed_over >= self.config.session_max_bypass:
             return False  # this head has been passed over enough: it goes next
-        pinned = {(s.scope, s.session): s for s in self._slots
-                  if s.state is SlotState.IDLE and s.session is not None}
+        pinned = {
+            (s.scope, s.session): s
+            for s in self._slots
+            if s.state is SlotState.IDLE and s.session is not None
+        }
         if not pinned:
             return False
         for job in self._waiting:
@@ -399,8 +427,11 @@ class Scheduler:
                     return s
         free = [s for s in free if s.session is None] or free
         if job.cache_prompt:
-            scoped = [(common_prefix_len(s.tokens, job.prompt), -len(s.tokens), s)
-                      for s in free if s.scope == job.cache_scope and s.tokens]
+            scoped = [
+                (common_prefix_len(s.tokens, job.prompt), -len(s.tokens), s)
+                for s in free
+                if s.scope == job.cache_scope and s.tokens
+            ]
             if scoped:
                 n, _, best = max(scoped, key=lambda m: m[:2])  # ties: the one that loses the least
                 if n > 0.1 * len(job.prompt):
@@ -422,7 +453,11 @@ class Scheduler:
         for slot in self._slots:
             if slot.state is SlotState.GENERATING and used < cap:
                 job = slot.job
-                plan.append(_Planned(slot, job, BatchRow(slot.seq_id, (job.output[-1],), len(slot.tokens), True)))
+                plan.append(
+                    _Planned(
+                        slot, job, BatchRow(slot.seq_id, (job.output[-1],), len(slot.tokens), True)
+                    )
+                )
                 used += 1
         n = len(self._slots)
         prefilling = sorted(
@@ -443,7 +478,11 @@ class Scheduler:
             done = len(slot.tokens)
             take = min(self.config.chunk_size, room, len(job.prompt) - done)
             last = done + take == len(job.prompt)
-            plan.append(_Planned(slot, job, BatchRow(slot.seq_id, job.prompt[done:done + take], done, last)))
+            plan.append(
+                _Planned(
+                    slot, job, BatchRow(slot.seq_id, job.prompt[done : done + take], done, last)
+                )
+            )
             used += take
         return plan
 
@@ -459,8 +498,14 @@ class Scheduler:
                     return True
         return False
 
-    def _after_decode(self, plan: list[_Planned], rows: list[BatchRow], n_tokens: int,
-                      eval_ms: float, retries: int) -> TickStats:
+    def _after_decode(
+        self,
+        plan: list[_Planned],
+        rows: list[BatchRow],
+        n_tokens: int,
+        eval_ms: float,
+        retries: int,
+    ) -> TickStats:
         now = self._clock()
         offset = 0
         decode_tokens = 0
@@ -474,10 +519,14 @@ class Scheduler:
         self._tick += 1
         self.counters["ticks"] += 1
         return TickStats(
-            tick=self._tick, batch_tokens=n_tokens, decode_tokens=decode_tokens,
+            tick=self._tick,
+            batch_tokens=n_tokens,
+            decode_tokens=decode_tokens,
             prefill_tokens=n_tokens - decode_tokens,
             active_slots=sum(s.state is not SlotState.IDLE for s in self._slots),
-            queue_depth=len(self._waiting), eval_ms=round(eval_ms, 3), kv_retries=retries,
+            queue_depth=len(self._waiting),
+            eval_ms=round(eval_ms, 3),
+            kv_retries=retries,
         )
 
     def _on_token(self, job: Job, token: int, now: float) -> None:
@@ -555,7 +604,9 @@ class Scheduler:
             ttft_ms=_ms(first - job.arrival) if first is not None else None,
             duration_ms=_ms(now - job.arrival),
             prompt_eval_rate=round(evaluated / prefill_s, 1) if prefill_s > 0 else None,
-            generation_rate=round((len(job.output) - 1) / gen_s, 1) if gen_s > 0 and len(job.output) > 1 else None,
+            generation_rate=round((len(job.output) - 1) / gen_s, 1)
+            if gen_s > 0 and len(job.output) > 1
+            else None,
         )
 
     def _rollback(self, plan: list[_Planned]) -> None:
@@ -579,20 +630,34 @@ class Scheduler:
         """KV pressure, last remedy: a single token does not fit, so the biggest sequence goes."""
         active = [s for s in self._slots if s.job is not None]
         victim = max(active, key=lambda s: len(s.tokens))
-        log.warning("KV cache full: failing request %s (%d tokens in KV)", victim.job.id, len(victim.tokens))
-        self._finish(victim.job, Status.FINISHED_ERROR, {
-            "code": errors.CONTEXT_FULL,
-            "message": "the KV cache is full and this request cannot continue; retry later or shorten it",
-        })
+        log.warning(
+            "KV cache full: failing request %s (%d tokens in KV)", victim.job.id, len(victim.tokens)
+        )
+        self._finish(
+            victim.job,
+            Status.FINISHED_ERROR,
+            {
+                "code": errors.CONTEXT_FULL,
+                "message": "the KV cache is full and this request cannot continue; "
+                "retry later or shorten it",
+            },
+        )
 
     def _fail_plan(self, plan: list[_Planned], rc: int) -> None:
-        log.error("llama_decode failed with %d; failing the %d requests in the batch", rc, len(plan))
+        log.error(
+            "llama_decode failed with %d; failing the %d requests in the batch", rc, len(plan)
+        )
         self._rollback(plan)
         for p in plan:
             if p.job.id in self._jobs:
-                self._finish(p.job, Status.FINISHED_ERROR, {
-                    "code": errors.ENGINE_ERROR, "message": f"llama_decode failed ({rc})",
-                })
+                self._finish(
+                    p.job,
+                    Status.FINISHED_ERROR,
+                    {
+                        "code": errors.ENGINE_ERROR,
+                        "message": f"llama_decode failed ({rc})",
+                    },
+                )
 
     @staticmethod
     def _slot_info(slot: Slot) -> dict[str, Any]:

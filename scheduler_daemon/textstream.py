@@ -4,6 +4,7 @@ Two rules, after llama.cpp's server: never emit half a UTF-8 codepoint, and neve
 text that could still turn out to be the start of a stop string. What is held back is
 released by ``flush()`` when the request ends for any reason other than a stop string.
 """
+
 from __future__ import annotations
 
 import codecs

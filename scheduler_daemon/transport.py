@@ -11,6 +11,7 @@ Threads, besides the core's scheduler loop:
            usage counters and its concurrency slot freed in that same pipeline, ahead of its
            terminal event (``protocol.record_usage``; limits: ``inference/limits.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,14 @@ class _Buffer:
 class DaemonTransport:
     """Serves one model's jobs from Redis with an ``InferenceCore``."""
 
-    def __init__(self, core: InferenceCore, client: redis.Redis, model: str,
-                 daemon_id: str | None = None, config_info: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        core: InferenceCore,
+        client: redis.Redis,
+        model: str,
+        daemon_id: str | None = None,
+        config_info: dict[str, Any] | None = None,
+    ) -> None:
         self.core = core
         self.redis = client
         self.model = model
@@ -132,12 +139,19 @@ class DaemonTransport:
                 continue
             self._intake_paused.clear()
             try:
-                reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
-                                              {self.jobs_stream: ">"}, count=INTAKE_BATCH, block=500)
+                reply = self.redis.xreadgroup(
+                    protocol.JOBS_GROUP,
+                    self.daemon_id,
+                    {self.jobs_stream: ">"},
+                    count=INTAKE_BATCH,
+                    block=500,
+                )
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
+                log.warning(
+                    "the jobs stream or its group vanished (Redis restarted?): recreating it"
+                )
                 self._ensure_group()
                 continue
             except redis.RedisError:
@@ -166,8 +180,13 @@ class DaemonTransport:
         try:
             params = SamplingParams.from_dict(job.params)
             handle = self.core.submit(
-                prompt=job.prompt, messages=job.messages, params=params, request_id=job.id,
-                cache_scope=job.cache_scope, session=job.session, cache_prompt=job.cache_prompt,
+                prompt=job.prompt,
+                messages=job.messages,
+                params=params,
+                request_id=job.id,
+                cache_scope=job.cache_scope,
+                session=job.session,
+                cache_prompt=job.cache_prompt,
             )
         except Refusal as refusal:
             with self._cond:
@@ -177,9 +196,15 @@ class DaemonTransport:
             return
         with self._cond:
             self._entries[job.id] = entry_id
-            accepted = _Outgoing(job.id, protocol.ACCEPTED, {
-                "daemon_id": self.daemon_id, "prompt_tokens": handle.prompt_tokens, "model": self.model,
-            })
+            accepted = _Outgoing(
+                job.id,
+                protocol.ACCEPTED,
+                {
+                    "daemon_id": self.daemon_id,
+                    "prompt_tokens": handle.prompt_tokens,
+                    "model": self.model,
+                },
+            )
             self._buffer.items.append(accepted)
             self._buffer.items.extend(self._buffer.held.pop(job.id))
             self._cond.notify()
@@ -246,7 +271,9 @@ class DaemonTransport:
     def _on_event(self, event: Event) -> None:
         """Core listener (scheduler thread, scheduler lock held): buffer only."""
         if isinstance(event, TokenEvent):
-            item = _Outgoing(event.request_id, protocol.TOKEN, {"text": event.text, "n_tokens": event.n_tokens})
+            item = _Outgoing(
+                event.request_id, protocol.TOKEN, {"text": event.text, "n_tokens": event.n_tokens}
+            )
         else:
             kind, data = _finished_payload(event)
             item = _Outgoing(event.request_id, kind, data)
@@ -261,7 +288,9 @@ class DaemonTransport:
             if item.kind in protocol.TERMINAL:
                 self._cond.notify()
 
-    def _queue_terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
+    def _queue_terminal(
+        self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]
+    ) -> None:
         with self._cond:
             self._buffer.items.append(_Outgoing(request_id, kind, data, entry_id))
             self._cond.notify()
@@ -298,8 +327,11 @@ class DaemonTransport:
         for item in items:
             if item.kind in protocol.TERMINAL:
                 history.mark_finished(
-                    item.request_id, item.data.get("finish_reason", "error"), item.data.get("usage"),
-                    item.data.get("timings"), error_code=item.data.get("code", ""),
+                    item.request_id,
+                    item.data.get("finish_reason", "error"),
+                    item.data.get("usage"),
+                    item.data.get("timings"),
+                    error_code=item.data.get("code", ""),
                 )
                 tenant_id = self._tenants.get(item.request_id)
                 if tenant_id is not None:
@@ -326,15 +358,27 @@ class DaemonTransport:
     def _log_end(self, item: _Outgoing) -> None:
         usage = item.data.get("usage") or {}
         timings = item.data.get("timings") or {}
-        request_log.info(json.dumps({
-            "event": "request_end", "request_id": item.request_id,
-            "tenant_id": self._tenants.pop(item.request_id, None), "model": self.model,
-            "daemon_id": self.daemon_id, "finish_reason": item.data.get("finish_reason", "error"),
-            "error_code": item.data.get("code"), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "ttft_ms": timings.get("ttft_ms"), "duration_ms": timings.get("duration_ms"),
-        }, separators=(",", ":")))
+        request_log.info(
+            json.dumps(
+                {
+                    "event": "request_end",
+                    "request_id": item.request_id,
+                    "tenant_id": self._tenants.pop(item.request_id, None),
+                    "model": self.model,
+                    "daemon_id": self.daemon_id,
+                    "finish_reason": item.data.get("finish_reason", "error"),
+                    "error_code": item.data.get("code"),
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ),
+                    "completion_tokens": usage.get("completion_tokens"),
+                    "ttft_ms": timings.get("ttft_ms"),
+                    "duration_ms": timings.get("duration_ms"),
+                },
+                separators=(",", ":"),
+            )
+        )
 
     # -- heartbeat and dead daemons -----------------------------------------------------------
 
@@ -356,7 +400,11 @@ class DaemonTransport:
         self._last_heartbeat = time.monotonic()
         snap = self.snapshot()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(protocol.daemon_key(self.daemon_id), json.dumps(snap), px=int(protocol.HEARTBEAT_TTL_S * 1000))
+        pipe.set(
+            protocol.daemon_key(self.daemon_id),
+            json.dumps(snap),
+            px=int(protocol.HEARTBEAT_TTL_S * 1000),
+        )
         pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
         pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
         pipe.execute()
@@ -373,11 +421,21 @@ class DaemonTransport:
             name = _text(consumer["name"])
             if name == self.daemon_id or self.redis.exists(protocol.daemon_key(name)):
                 continue
-            pending = self.redis.xpending_range(self.jobs_stream, protocol.JOBS_GROUP, "-", "+",
-                                                count=1000, consumername=name)
+            pending = self.redis.xpending_range(
+                self.jobs_stream, protocol.JOBS_GROUP, "-", "+", count=1000, consumername=name
+            )
             ids = [p["message_id"] for p in pending]
-            claimed = self.redis.xclaim(self.jobs_stream, protocol.JOBS_GROUP, self.daemon_id,
-                                        min_idle_time=0, message_ids=ids) if ids else []
+            claimed = (
+                self.redis.xclaim(
+                    self.jobs_stream,
+                    protocol.JOBS_GROUP,
+                    self.daemon_id,
+                    min_idle_time=0,
+                    message_ids=ids,
+                )
+                if ids
+                else []
+            )
             for entry_id, fields in claimed:
                 if fields:
                     self._recover(_text(entry_id), fields, dead=name)
@@ -396,12 +454,20 @@ class DaemonTransport:
         if any(k in protocol.TERMINAL for k in kinds):
             self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
         elif kinds:
-            if self.redis.set(protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S):
+            if self.redis.set(
+                protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S
+            ):
                 self._tenants[job.id] = job.tenant_id
-                self._queue_terminal(job.id, entry_id, protocol.ERROR, {
-                    "code": protocol.INFERENCE_INTERRUPTED,
-                    "message": f"the scheduler daemon {dead} stopped while serving this request",
-                })
+                self._queue_terminal(
+                    job.id,
+                    entry_id,
+                    protocol.ERROR,
+                    {
+                        "code": protocol.INFERENCE_INTERRUPTED,
+                        "message": f"the scheduler daemon {dead} stopped while serving this "
+                        "request",
+                    },
+                )
             else:
                 self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
         else:
@@ -415,8 +481,11 @@ def _finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
         "stop": event.stop,
         "usage": protocol.usage(s.prompt_tokens, s.cached_tokens, s.completion_tokens),
         "timings": {
-            "queue_ms": s.queue_ms, "ttft_ms": s.ttft_ms, "duration_ms": s.duration_ms,
-            "prompt_eval_rate": s.prompt_eval_rate, "generation_rate": s.generation_rate,
+            "queue_ms": s.queue_ms,
+            "ttft_ms": s.ttft_ms,
+            "duration_ms": s.duration_ms,
+            "prompt_eval_rate": s.prompt_eval_rate,
+            "generation_rate": s.generation_rate,
         },
     }
     if event.error is not None:
@@ -430,7 +499,12 @@ def _total_tokens(data: dict[str, Any]) -> int:
 
 
 def _cancelled_before_start() -> dict[str, Any]:
-    return {"finish_reason": "cancelled", "stop": None, "usage": protocol.usage(0, 0, 0), "timings": {}}
+    return {
+        "finish_reason": "cancelled",
+        "stop": None,
+        "usage": protocol.usage(0, 0, 0),
+        "timings": {},
+    }
 
 
 def _coalesce(items: list[_Outgoing]) -> list[_Outgoing]:
@@ -440,8 +514,10 @@ def _coalesce(items: list[_Outgoing]) -> list[_Outgoing]:
     for item in items:
         prev = last_token.get(item.request_id)
         if item.kind == protocol.TOKEN and prev is not None:
-            prev.data = {"text": prev.data["text"] + item.data["text"],
-                         "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"]}
+            prev.data = {
+                "text": prev.data["text"] + item.data["text"],
+                "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"],
+            }
             continue
         out.append(item)
         if item.kind == protocol.TOKEN:

@@ -3,6 +3,7 @@
 Each daemon serves its own model name, so tests never share a jobs stream with another
 daemon, and writes history to its own SQLite file, which tests read with sqlite3.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,23 @@ class Daemon:
         self.redis = redis.Redis.from_url(TEST_REDIS_URL)
         self.daemon_id = ""
 
-    def start(self, timeout_s: float = 120) -> "Daemon":
+    def start(self, timeout_s: float = 120) -> Daemon:
         self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "manage.py", "run_scheduler", "--grace", "5", "--daemon-id", self.daemon_id],
-            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "manage.py",
+                "run_scheduler",
+                "--grace",
+                "5",
+                "--daemon-id",
+                self.daemon_id,
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s
         while not self.redis.exists(protocol.daemon_key(self.daemon_id)):
@@ -61,9 +73,14 @@ class Daemon:
         return json.loads(raw) if raw else {}
 
     def enqueue(self, **fields) -> protocol.Job:
-        job = protocol.Job(id=fields.pop("id", uuid.uuid4().hex), model=self.model,
-                           tenant_id=fields.pop("tenant_id", "1"), cache_scope=fields.pop("cache_scope", "1"),
-                           kind=fields.pop("kind", "completion"), **fields)
+        job = protocol.Job(
+            id=fields.pop("id", uuid.uuid4().hex),
+            model=self.model,
+            tenant_id=fields.pop("tenant_id", "1"),
+            cache_scope=fields.pop("cache_scope", "1"),
+            kind=fields.pop("kind", "completion"),
+            **fields,
+        )
         self.redis.xadd(protocol.jobs_stream(self.model), job.encode())
         return job
 
@@ -106,15 +123,20 @@ class HistoryDb:
     def add_request(self, request_id: str) -> None:
         with sqlite3.connect(self.path) as con:
             con.execute(
-                "INSERT INTO inference_inferencerequest (id, tenant_id, kind, model, status, session, "
-                "finish_reason, error_code, created) VALUES (?, 1, 'completion', 'm', 'queued', '', '', '', "
-                "datetime('now'))", (uuid.UUID(request_id).hex,))
+                "INSERT INTO inference_inferencerequest (id, tenant_id, kind, model, status, "
+                "session, finish_reason, error_code, created) "
+                "VALUES (?, 1, 'completion', 'm', 'queued', '', '', '', "
+                "datetime('now'))",
+                (uuid.UUID(request_id).hex,),
+            )
 
     def row(self, request_id: str) -> dict:
         with sqlite3.connect(self.path) as con:
             con.row_factory = sqlite3.Row
-            found = con.execute("SELECT * FROM inference_inferencerequest WHERE id = ?",
-                                (uuid.UUID(request_id).hex,)).fetchone()
+            found = con.execute(
+                "SELECT * FROM inference_inferencerequest WHERE id = ?",
+                (uuid.UUID(request_id).hex,),
+            ).fetchone()
             return dict(found) if found else {}
 
 
@@ -123,11 +145,25 @@ def daemon_env(tmp_path_factory):
     """Environment for daemon subprocesses: own SQLite history DB (migrated), test Redis."""
     tmp = tmp_path_factory.mktemp("daemon")
     db_path = tmp / "history.sqlite3"
-    env = {**os.environ, "REDIS_URL": TEST_REDIS_URL, "DATABASE_URL": f"sqlite:///{db_path}",
-           "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512", "LOG_LEVEL": "INFO"}
-    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
-    subprocess.run([sys.executable, "manage.py", "create_tenant", "t1"], cwd=ROOT, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "REDIS_URL": TEST_REDIS_URL,
+        "DATABASE_URL": f"sqlite:///{db_path}",
+        "N_CTX": "2048",
+        "N_PARALLEL": "2",
+        "N_BATCH": "512",
+        "LOG_LEVEL": "INFO",
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
+    )
+    subprocess.run(
+        [sys.executable, "manage.py", "create_tenant", "t1"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return env, HistoryDb(db_path), tmp
 
 

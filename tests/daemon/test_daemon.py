@@ -1,4 +1,5 @@
 """The scheduler daemon end to end: real Redis, real ``run_scheduler`` process, real Gemma."""
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,19 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
     ids = [entry_id for entry_id, _, _ in events]
     assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))  # resumable order
-    assert 0 < daemon.redis.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+    assert (
+        0 < daemon.redis.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+    )
     row = db.row(request_id)
     assert row["status"] == "done" and row["completion_tokens"] == usage["completion_tokens"]
     assert row["prompt_tokens"] == 6 and row["ttft_ms"] > 0 and row["finished"]
     pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0  # acknowledged once its last event was written
-    [line] = [json.loads(line.split("scheduler_daemon.requests: ", 1)[1])
-              for line in daemon.log_path.read_text().splitlines() if request_id in line and "request_end" in line]
+    [line] = [
+        json.loads(line.split("scheduler_daemon.requests: ", 1)[1])
+        for line in daemon.log_path.read_text().splitlines()
+        if request_id in line and "request_end" in line
+    ]
     assert line["tenant_id"] == "1" and line["completion_tokens"] == usage["completion_tokens"]
     assert line["finish_reason"] == done["finish_reason"] and line["ttft_ms"] > 0
     assert "France" not in json.dumps(line)  # no prompt text in the request log
@@ -78,7 +84,9 @@ def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
 
 def test_cancel_mid_generation_frees_the_slot(daemon, daemon_env):
     _, db, _ = daemon_env
-    job = daemon.enqueue(prompt="Tell a long story.", params={"max_tokens": 400, "ignore_eos": True})
+    job = daemon.enqueue(
+        prompt="Tell a long story.", params={"max_tokens": 400, "ignore_eos": True}
+    )
     db.add_request(job.id)
     daemon.wait_for(job.id, "token")
     daemon.cancel(job.id)
@@ -111,8 +119,12 @@ def test_snapshot_is_published_with_a_heartbeat_and_no_text(daemon):
 
 def test_queue_full_refuses_fast_and_every_accepted_job_completes(make_daemon):
     daemon = make_daemon(MAX_QUEUE="1", N_PARALLEL="1").start()
-    jobs = [daemon.enqueue(prompt=f"Count to ten, try {i}:", params={"max_tokens": 24, "temperature": 0})
-            for i in range(6)]
+    jobs = [
+        daemon.enqueue(
+            prompt=f"Count to ten, try {i}:", params={"max_tokens": 24, "temperature": 0}
+        )
+        for i in range(6)
+    ]
     outcomes = [daemon.events(job.id)[-1] for job in jobs]
     refused = [data for _, kind, data in outcomes if kind == "error"]
     finished = [data for _, kind, data in outcomes if kind == "done"]
@@ -133,7 +145,9 @@ def test_sigterm_drains_and_exits_cleanly(make_daemon):
 def test_a_killed_daemons_jobs_are_failed_and_a_restart_serves_the_queue(make_daemon, daemon_env):
     _, db, _ = daemon_env
     first = make_daemon().start()
-    running = first.enqueue(prompt="Tell a long story.", params={"max_tokens": 500, "ignore_eos": True})
+    running = first.enqueue(
+        prompt="Tell a long story.", params={"max_tokens": 500, "ignore_eos": True}
+    )
     db.add_request(running.id)
     first.wait_for(running.id, "token")
     first.stop(signal.SIGKILL)
@@ -149,7 +163,9 @@ def test_a_killed_daemons_jobs_are_failed_and_a_restart_serves_the_queue(make_da
 
 
 def send(daemon, action: str, **args) -> None:
-    daemon.redis.xadd(protocol.control_stream(daemon.daemon_id), protocol.encode_command(action, **args))
+    daemon.redis.xadd(
+        protocol.control_stream(daemon.daemon_id), protocol.encode_command(action, **args)
+    )
 
 
 def wait_snapshot(daemon, predicate, timeout_s: float = 15) -> dict:
@@ -174,9 +190,13 @@ def test_drain_leaves_jobs_in_the_stream_until_resume(daemon):
 
 
 def test_evict_scope_drops_only_that_tenants_cached_prefixes(daemon):
-    messages = [{"role": "user", "content": "A message long enough to leave a cached prefix behind."}]
+    messages = [
+        {"role": "user", "content": "A message long enough to leave a cached prefix behind."}
+    ]
     for scope in ("evict-me", "keep-me"):
-        daemon.events(daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope=scope).id)
+        daemon.events(
+            daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope=scope).id
+        )
     scopes = lambda s: {e["cache_scope"] for e in s["cache"]["entries"]}  # noqa: E731
     wait_snapshot(daemon, lambda s: {"evict-me", "keep-me"} <= scopes(s))
     send(daemon, "evict_scope", scope="evict-me")

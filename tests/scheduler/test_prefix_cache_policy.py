@@ -1,4 +1,5 @@
 """Prefix cache policy over the fake engine: tiers, scopes, slot choice, sessions, RAM budget."""
+
 from __future__ import annotations
 
 from scheduler_daemon.jobs import Request
@@ -61,6 +62,7 @@ def fill_slots(h, scope: str = "other", n: int = 4) -> None:
 
 
 # -- every tier: the scope that made it hits, another scope misses ----------------------
+
 
 def test_same_slot_tier_hits_for_its_scope_only(harness):
     h = harness(FakeEngine(n_seq_max=1))
@@ -140,6 +142,7 @@ def test_cache_prompt_false_neither_uses_nor_leaves_a_cache(harness):
 
 # -- slot choice --------------------------------------------------------------------------
 
+
 def test_slot_with_the_longest_prefix_wins_above_ten_percent_else_empty_then_lru(harness):
     h = harness(FakeEngine(), cross_slot=False, ram_cache_bytes=0)
     where = placed(h)
@@ -174,6 +177,7 @@ def test_prefill_of_a_shared_prefix_happens_once_per_scope(harness):
 
 
 # -- sessions -----------------------------------------------------------------------------
+
 
 def test_session_turns_land_on_their_slot_while_it_is_free(harness):
     h = harness(FakeEngine(), cross_slot=False)
@@ -231,6 +235,7 @@ def test_a_session_request_does_not_jump_past_the_kv_budget(harness):
 
 
 # -- RAM budget ---------------------------------------------------------------------------
+
 
 def entry_bytes(n_tokens: int) -> int:
     return STATE_HEADER_BYTES + 100 * n_tokens
@@ -314,6 +319,7 @@ def test_kv_pressure_saves_idle_prefixes_to_ram_before_purging(harness):
 
 # -- events and the admin listing -----------------------------------------------------------
 
+
 def test_prefix_instability_is_logged_counted_and_published(harness, caplog):
     h = harness(FakeEngine(n_seq_max=1))
     events = []
@@ -336,8 +342,15 @@ def test_snapshot_lists_cache_entries_without_tokens(harness):
     cache = h.scheduler.snapshot()["cache"]
     assert cache["ram_entries"] >= 1 and cache["ram_bytes"] > 0
     ram = [e for e in cache["entries"] if e["tier"] == "ram" and e["cache_scope"] == "tenant-7"]
-    assert ram and set(ram[0]) == {"tier", "slot", "cache_scope", "tokens", "bytes", "age_ms",
-                                   "hits"}
+    assert ram and set(ram[0]) == {
+        "tier",
+        "slot",
+        "cache_scope",
+        "tokens",
+        "bytes",
+        "age_ms",
+        "hits",
+    }
     slots = [e for e in cache["entries"] if e["tier"] == "slot"]
     assert len(slots) == 4 and all(e["bytes"] == e["tokens"] * 100 for e in slots)
     text = repr(h.scheduler.snapshot())
@@ -350,9 +363,14 @@ def test_evict_scope_forgets_only_that_scope_in_idle_slots(harness):
 
     h = harness()
     for rid, scope in (("a", "t1"), ("b", "t2")):
-        h.scheduler.submit(Request(id=rid, prompt_tokens=list(range(10, 50)) if scope == "t1"
-                                   else list(range(60, 100)), params=SamplingParams(max_tokens=2),
-                                   cache_scope=scope))
+        h.scheduler.submit(
+            Request(
+                id=rid,
+                prompt_tokens=list(range(10, 50)) if scope == "t1" else list(range(60, 100)),
+                params=SamplingParams(max_tokens=2),
+                cache_scope=scope,
+            )
+        )
     h.run()
     scopes = lambda: {e["cache_scope"] for e in h.scheduler.snapshot()["cache"]["entries"]}  # noqa: E731
     assert scopes() == {"t1", "t2"}

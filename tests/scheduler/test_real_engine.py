@@ -4,6 +4,7 @@ llama.cpp's CPU logits shift slightly with batch shape and KV placement, so thes
 never compare whole generations across different batch compositions: they compare the
 same request in the same conditions, and first tokens across batched and solo runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,12 @@ def core(gemma_engine):
 
 
 def run(core, prompt=None, messages=None, **params):
-    handle = core.submit(prompt=prompt, messages=messages, params=SamplingParams.from_dict(params),
-                         cache_prompt=False)
+    handle = core.submit(
+        prompt=prompt,
+        messages=messages,
+        params=SamplingParams.from_dict(params),
+        cache_prompt=False,
+    )
     events = list(handle.events(timeout=120))
     return events, events[-1]
 
@@ -45,11 +50,17 @@ def text_of(events) -> str:
 
 
 def test_seeded_sampled_request_reproduces(core):
-    first, done1 = run(core, "Write a short poem about rivers.", temperature=0.9, seed=1234, max_tokens=24)
-    second, done2 = run(core, "Write a short poem about rivers.", temperature=0.9, seed=1234, max_tokens=24)
+    first, done1 = run(
+        core, "Write a short poem about rivers.", temperature=0.9, seed=1234, max_tokens=24
+    )
+    second, done2 = run(
+        core, "Write a short poem about rivers.", temperature=0.9, seed=1234, max_tokens=24
+    )
     assert text_of(first) == text_of(second)
     assert done1.stats.completion_tokens == done2.stats.completion_tokens > 0
-    other, _ = run(core, "Write a short poem about rivers.", temperature=0.9, seed=99, max_tokens=24)
+    other, _ = run(
+        core, "Write a short poem about rivers.", temperature=0.9, seed=99, max_tokens=24
+    )
     assert text_of(other) != text_of(first)  # the seed is what made them equal
 
 
@@ -63,8 +74,10 @@ PROMPTS = [
 
 def test_batched_and_solo_agree_on_the_first_token(core):
     solo = [text_of(run(core, p, max_tokens=1, **GREEDY)[0]) for p in PROMPTS]
-    handles = [core.submit(prompt=p, params=SamplingParams(max_tokens=1, **GREEDY), cache_prompt=False)
-               for p in PROMPTS]
+    handles = [
+        core.submit(prompt=p, params=SamplingParams(max_tokens=1, **GREEDY), cache_prompt=False)
+        for p in PROMPTS
+    ]
     batched = [h.result(timeout=120).text for h in handles]
     assert batched == solo
     assert all(solo)
@@ -77,7 +90,7 @@ def test_stop_string_across_a_token_boundary_never_appears(core):
     k = next(i for i in range(len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
     stop = pieces[k][-2:] + pieces[k + 1][:2]  # half in one token, half in the next
     events, done = run(core, "The capital of France is", max_tokens=24, stop=[stop], **GREEDY)
-    assert text_of(events) == full[:full.index(stop)]
+    assert text_of(events) == full[: full.index(stop)]
     assert stop not in text_of(events)
     assert (done.finish_reason, done.stop) == ("stop", stop)
 
@@ -91,18 +104,29 @@ def test_utf8_emoji_and_cjk_come_out_whole(core):
 
 
 def test_json_schema_constrains_the_output(core):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
-    events, done = run(core, "A JSON object with a number:", json_schema=schema, max_tokens=64, **GREEDY)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    events, done = run(
+        core, "A JSON object with a number:", json_schema=schema, max_tokens=64, **GREEDY
+    )
     value = json.loads(text_of(events))
     assert isinstance(value["n"], int) and done.finish_reason == "stop"
 
 
 def test_chat_works_with_the_builtin_template(core):
     assert core.chat.kind == "builtin:gemma"  # the 270M file has no template of its own
-    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a color."},
+    ]
     rendered = core.chat.render([(m["role"], m["content"]) for m in messages])
-    assert rendered.startswith("<start_of_turn>user\n") and rendered.endswith("<start_of_turn>model\n")
+    assert rendered.startswith("<start_of_turn>user\n") and rendered.endswith(
+        "<start_of_turn>model\n"
+    )
     events, done = run(core, messages=messages, max_tokens=16, **GREEDY)
     assert done.stats.prompt_tokens == len(core.engine.tokenize(rendered))
     assert done.stats.completion_tokens > 0 and done.finish_reason in ("stop", "length")
@@ -123,7 +147,9 @@ def test_bad_grammar_and_bias_are_refused_naming_the_field(core):
 
 def test_sampler_state_is_per_request_on_fixed_logits(gemma_engine):
     logits = np.random.default_rng(0).normal(size=gemma_engine.n_vocab).astype(np.float32) * 3
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, repeat_penalty=1.3)
+    params = SamplingParams(
+        temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, repeat_penalty=1.3
+    )
     alone = gemma_engine.new_sampler(params)
     expected = [alone.sample_logits(logits) for _ in range(20)]
     mine = gemma_engine.new_sampler(params)
@@ -156,7 +182,9 @@ def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine):
         assert core.scheduler.counters["aborted_decodes"] >= 1  # stopped inside llama_decode
         slot = core.snapshot()["slots"][0]
         assert slot["state"] == "idle" and slot["kv_tokens"] < handle.prompt_tokens
-        after = core.submit(prompt="Hello", params=SamplingParams(max_tokens=4, **GREEDY)).result(timeout=60)
+        after = core.submit(prompt="Hello", params=SamplingParams(max_tokens=4, **GREEDY)).result(
+            timeout=60
+        )
         assert after.finished.stats.completion_tokens == 4  # the context is still healthy
     finally:
         core.stop(grace_s=0)
@@ -165,16 +193,27 @@ def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine):
 def test_tiny_context_kv_pressure_fails_only_the_oversized_request():
     from scheduler_daemon.engine import EngineConfig, LlamaEngine
 
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=512, n_batch=512, n_seq_max=4, n_threads=2))
+    engine = LlamaEngine(
+        EngineConfig(model_path=model_path(), n_ctx=512, n_batch=512, n_seq_max=4, n_threads=2)
+    )
     # the block budget is overcommitted on purpose so that the KV cache itself runs out
     core = InferenceCore(engine, SchedulerConfig(kv_budget_tokens=4096, kv_block_tokens=16))
     core.start()
     try:
         filler = " ".join(["river"] * 190)
-        small = [core.submit(prompt=f"Story {i}: once upon a time", cache_prompt=False,
-                             params=SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY)) for i in range(3)]
-        big = core.submit(prompt=filler, cache_prompt=False,
-                          params=SamplingParams(max_tokens=300, ignore_eos=True, **GREEDY))
+        small = [
+            core.submit(
+                prompt=f"Story {i}: once upon a time",
+                cache_prompt=False,
+                params=SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY),
+            )
+            for i in range(3)
+        ]
+        big = core.submit(
+            prompt=filler,
+            cache_prompt=False,
+            params=SamplingParams(max_tokens=300, ignore_eos=True, **GREEDY),
+        )
         done = big.result(timeout=300).finished
         assert done.finish_reason == "error" and done.error["code"] == "context_full"
         for handle in small:

@@ -1,4 +1,5 @@
 """Incremental detokenization: whole codepoints only, stop strings withheld and removed."""
+
 from __future__ import annotations
 
 from scheduler_daemon.textstream import TextStream
@@ -11,7 +12,7 @@ def feed_all(stream: TextStream, pieces: list[bytes]) -> list[str]:
 def test_multibyte_codepoints_split_across_pieces_are_never_split():
     text = "猫🐱é"
     raw = text.encode()
-    pieces = [raw[i:i + 1] for i in range(len(raw))]  # one byte per token: the worst case
+    pieces = [raw[i : i + 1] for i in range(len(raw))]  # one byte per token: the worst case
     stream = TextStream()
     out = feed_all(stream, pieces)
     assert "".join(out) + stream.flush() == text

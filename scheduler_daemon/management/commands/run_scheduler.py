@@ -3,6 +3,7 @@
 SIGTERM or SIGINT: stop taking jobs, let in-flight requests finish for ``--grace`` seconds,
 cancel what is left (clients get ``cancelled`` with the text so far), exit 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,23 +21,41 @@ from scheduler_daemon.transport import DaemonTransport
 
 log = logging.getLogger("scheduler_daemon.run")
 
-CONFIG_SETTINGS = ("N_PARALLEL", "N_CTX", "N_BATCH", "CHUNK_SIZE", "MAX_QUEUE", "DEFAULT_MAX_TOKENS", "N_THREADS",
-                   "KV_BLOCK_TOKENS", "CACHE_PROMPT", "PROMPT_CACHE_RAM_MB")
+CONFIG_SETTINGS = (
+    "N_PARALLEL",
+    "N_CTX",
+    "N_BATCH",
+    "CHUNK_SIZE",
+    "MAX_QUEUE",
+    "DEFAULT_MAX_TOKENS",
+    "N_THREADS",
+    "KV_BLOCK_TOKENS",
+    "CACHE_PROMPT",
+    "PROMPT_CACHE_RAM_MB",
+)
 
 
 class Command(BaseCommand):
     help = "Run the scheduler daemon for MODEL_PATH, serving jobs for MODEL_NAME from REDIS_URL."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--grace", type=float, default=30.0,
-                            help="seconds in-flight requests may take to finish on shutdown")
-        parser.add_argument("--daemon-id", default=None, help="consumer name (default host-pid-random)")
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=30.0,
+            help="seconds in-flight requests may take to finish on shutdown",
+        )
+        parser.add_argument(
+            "--daemon-id", default=None, help="consumer name (default host-pid-random)"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: stop.set())
-        client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10, health_check_interval=30)
+        client = redis.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=10, health_check_interval=30
+        )
         try:
             client.ping()
         except redis.RedisError as exc:
@@ -46,7 +65,10 @@ class Command(BaseCommand):
         core = InferenceCore.from_settings()
         log.info("model loaded in %.1f s", time.monotonic() - t0)
         transport = DaemonTransport(
-            core, client, settings.MODEL_NAME, daemon_id=options["daemon_id"],
+            core,
+            client,
+            settings.MODEL_NAME,
+            daemon_id=options["daemon_id"],
             config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
         )
         core.start()
