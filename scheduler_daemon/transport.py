@@ -82,6 +82,7 @@ class DaemonTransport:
         self._cond = threading.Condition()
         self._intake_open = threading.Event()
         self.draining = False  # an operator's drain: jobs stay in the stream for other daemons
+        self.drained = False  # published: the drain is in effect (the intake has paused)
         self._intake_paused = threading.Event()  # set while the intake honours a drain
         self._running = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -256,9 +257,10 @@ class DaemonTransport:
         log.warning("operator command: %s", command)
         if action == "drain":
             self.draining = True
-            self._intake_paused.wait(timeout=2)  # a read already blocking may still deliver
+            self._intake_paused.wait(timeout=10)  # a read already blocking may still deliver
+            self.drained = True
         elif action == "resume":
-            self.draining = False
+            self.draining = self.drained = False
         elif action == "evict_scope":
             evicted = self.core.scheduler.evict_scope(str(command["scope"]))
             log.warning("evicted %s cached prefix entries of scope %s", evicted, command["scope"])
@@ -392,7 +394,7 @@ class DaemonTransport:
             "started_at": self.started_at,
             "heartbeat_at": time.time(),
             "config": self.config_info,
-            "draining": self.draining,
+            "draining": self.drained,
             **self.core.snapshot(),
         }
 

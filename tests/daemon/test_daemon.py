@@ -180,11 +180,13 @@ def wait_snapshot(daemon, predicate, timeout_s: float = 15) -> dict:
 
 def test_drain_leaves_jobs_in_the_stream_until_resume(daemon):
     send(daemon, "drain")
-    wait_snapshot(daemon, lambda s: s["draining"])
-    job = daemon.enqueue(prompt="The capital of France is", params=GREEDY)
-    time.sleep(1.5)  # several intake polls
-    assert not daemon.redis.exists(protocol.events_stream(job.id))  # not taken while draining
-    send(daemon, "resume")
+    try:
+        wait_snapshot(daemon, lambda s: s["draining"])
+        job = daemon.enqueue(prompt="The capital of France is", params=GREEDY)
+        time.sleep(1.5)  # several intake polls
+        assert not daemon.redis.exists(protocol.events_stream(job.id))  # not taken while draining
+    finally:
+        send(daemon, "resume")  # never leave the module's daemon drained for the next tests
     assert daemon.events(job.id)[-1][1] == "done"
     assert not daemon.snapshot()["draining"]
 
