@@ -139,17 +139,17 @@ async def read_events(
 
 async def first_event(request_id: str) -> StreamEvent | None:
     """The stream's first entry (its ``accepted``, naming the daemon), if any."""
-    entries = await async_client().xrange(protocol.events_stream(request_id), count=1)
-    if not entries:
-        return None
-    entry_id, fields = entries[0]
-    kind, data = protocol.decode_event(fields)
-    return StreamEvent(_text(entry_id), kind, data)
+    stream = protocol.events_stream(request_id)
+    return _only(await async_client().xrange(stream, count=1))
 
 
 async def last_event(request_id: str) -> StreamEvent | None:
     """The stream's latest entry, if any."""
-    entries = await async_client().xrevrange(protocol.events_stream(request_id), count=1)
+    stream = protocol.events_stream(request_id)
+    return _only(await async_client().xrevrange(stream, count=1))
+
+
+def _only(entries: list[tuple[Any, Any]]) -> StreamEvent | None:
     if not entries:
         return None
     entry_id, fields = entries[0]

@@ -90,3 +90,32 @@ def redis_client():
     client = redis.Redis.from_url(TEST_REDIS_URL)
     yield client
     client.close()
+
+
+# -- live servers (tests/live_service.py): one daphne per session, daemons started on demand --
+
+
+@pytest.fixture(scope="module")
+def web():
+    """The session's real daphne server, with tenants and keys."""
+    from tests.live_service import web_server
+
+    return web_server()
+
+
+@pytest.fixture(scope="module")
+def daemon(web):
+    """The session's real ``run_scheduler`` daemon (Gemma) for ``web``."""
+    from tests.live_service import shared_daemon
+
+    return shared_daemon(web)
+
+
+@pytest.fixture
+def standin():
+    """A stand-in daemon speaking the wire protocol, for tests of the web side alone."""
+    from tests.live_service import StandIn
+
+    daemon = StandIn().start()
+    yield daemon
+    daemon.stop()

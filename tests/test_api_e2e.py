@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from tests.live_service import RealDaemon, shared_daemon, wait_until, web_server
+from tests.live_service import RealDaemon, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -15,16 +15,6 @@ pytestmark = [
 GREEDY = {"temperature": 0, "max_tokens": 8}
 LONG = {"temperature": 0, "max_tokens": 300, "extra_body": {"ignore_eos": True}}
 HELLO = [{"role": "user", "content": "Name a fruit."}]
-
-
-@pytest.fixture(scope="module")
-def web():
-    return web_server()
-
-
-@pytest.fixture(scope="module")
-def daemon(web):
-    return shared_daemon(web)
 
 
 def client(web, key: str | None = None) -> openai.OpenAI:

@@ -10,21 +10,9 @@ import time
 import pytest
 
 from scheduler_daemon import protocol
-from tests.live_service import StandIn, echo, wait_until, web_server
+from tests.live_service import echo, wait_until
 
 HELLO = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def web():
-    return web_server()
-
-
-@pytest.fixture
-def standin():
-    daemon = StandIn().start()
-    yield daemon
-    daemon.stop()
 
 
 def chat(web, standin, key=None, **body):

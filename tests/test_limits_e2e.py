@@ -10,20 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_daemon import protocol
-from tests.live_service import redis_conn, shared_daemon, wait_until, web_server
+from tests.live_service import redis_conn, wait_until
 from tests.test_limits_http import assert_429, make_tenant
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def web():
-    return web_server()
-
-
-@pytest.fixture(scope="module")
-def daemon(web):
-    return shared_daemon(web)
 
 
 def scrape(web) -> dict[tuple[str, tuple], float]:

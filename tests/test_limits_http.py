@@ -10,24 +10,10 @@ import sys
 import time
 import uuid
 
-import pytest
-
 from scheduler_daemon import protocol
-from tests.live_service import ROOT, StandIn, echo, redis_conn, wait_until, web_server
+from tests.live_service import ROOT, StandIn, echo, redis_conn, wait_until
 
 HELLO = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def web():
-    return web_server()
-
-
-@pytest.fixture
-def standin():
-    daemon = StandIn().start()
-    yield daemon
-    daemon.stop()
 
 
 def shell(web, code: str) -> str:

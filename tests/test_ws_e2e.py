@@ -8,23 +8,12 @@ import websockets
 from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
-from tests.live_service import shared_daemon, web_server
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.asyncio,
 ]
 HELLO = [{"role": "user", "content": "Tell me a long story."}]
-
-
-@pytest.fixture(scope="module")
-def web():
-    return web_server()
-
-
-@pytest.fixture(scope="module")
-def daemon(web):
-    return shared_daemon(web)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -15,13 +15,6 @@ PATH = "/ws/v1/stream"
 HELLO = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture
-def standin():
-    daemon = StandIn().start()
-    yield daemon
-    daemon.stop()
-
-
 def socket_for(key: str | None) -> WebsocketCommunicator:
     headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
     return WebsocketCommunicator(application, PATH, headers=headers)
