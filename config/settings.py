@@ -125,6 +125,9 @@ SPECTACULAR_SETTINGS = {
 
 # Redis: job queue and token pipe between web and the scheduler daemon.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The web's database calls from async code run on one thread that keeps its connection
+# (inference/db.py). Not an environment setting: in-process tests turn it off.
+WEB_DB_THREAD = True
 # The web's waits: for a daemon to take a queued job, and for a whole request.
 ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)
 REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)

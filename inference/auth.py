@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from channels.db import database_sync_to_async
 from channels.middleware import BaseMiddleware
 from django.http import HttpRequest
 
 from accounts.authentication import authenticate_key
 from accounts.models import ApiKey
+from inference import db
 from inference.api_errors import ApiError
 
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
@@ -25,8 +25,8 @@ def bearer_token(header: str) -> str | None:
 
 
 async def key_for(raw: str) -> ApiKey | None:
-    """``authenticate_key`` off the event loop."""
-    return await database_sync_to_async(authenticate_key)(raw)
+    """``authenticate_key`` on the database thread."""
+    return await db.run(authenticate_key, raw)
 
 
 async def authenticate_request(request: HttpRequest) -> ApiKey:

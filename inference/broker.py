@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -102,9 +103,24 @@ def send_command_sync(daemon_id: str, action: str, **args: Any) -> str:
     return _text(entry)
 
 
+_seen_served: dict[str, float] = {}  # model -> when a live daemon was last seen serving it
+
+
 async def live_models() -> set[str]:
     """Models at least one live daemon serves."""
-    return {snap.get("model", "") for snap in await live_daemons()}
+    models = {snap.get("model", "") for snap in await live_daemons()}
+    now = time.monotonic()
+    _seen_served.update(dict.fromkeys(models, now))
+    return models
+
+
+async def is_served(model: str, max_age_s: float = 0.0) -> bool:
+    """Whether a live daemon serves ``model``; a yes read at most ``max_age_s`` ago is
+    reused (the snapshots are read and parsed otherwise). A no is always read afresh."""
+    seen = _seen_served.get(model)
+    if seen is not None and time.monotonic() - seen <= max_age_s:
+        return True
+    return model in await live_models()
 
 
 async def daemon_alive(daemon_id: str) -> bool:

@@ -17,12 +17,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
 
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
-from inference import broker, limits, metrics
+from inference import broker, db, limits, metrics
 from inference.api_errors import ApiError, invalid, unavailable
 from inference.broker import StreamEvent
 from inference.models import InferenceRequest
@@ -33,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _EVENT_ID = re.compile(r"^\d+-\d+$")
 BLOCK_MS = 1000  # longest single XREAD BLOCK: the dead-daemon check runs at least this often
+# A model seen served this recently is taken as live when a request is queued; a daemon that
+# died since is caught by the wait for its answer (``_wait_first`` asks afresh).
+LIVE_MODELS_MAX_AGE_S = 1.0
 GUARD_GRACE_TICKS = 5  # empty reads to wait for an interrupted event someone else claimed
 
 
@@ -67,26 +69,35 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
 
     Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit.
     """
-    live = await broker.live_models()
-    if parsed.model not in live:
+    if not await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S):
         if parsed.model == settings.MODEL_NAME:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
     request_id = str(uuid.uuid4())
-    await _admit(api_key, request_id)  # 429 before anything is stored or queued
+    row = await db.run(_admit_and_record, api_key, parsed, request_id)
     try:
-        row = await _create_row(api_key, parsed, request_id)
         async with CancelIfAbandoned(request_id):
             await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
     except BaseException:
-        await database_sync_to_async(limits.release_sync)(api_key.tenant_id, request_id)
+        await db.run(limits.release_sync, api_key.tenant_id, request_id)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
 
 
-async def _admit(api_key: ApiKey, request_id: str) -> None:
-    """The tenant's limits (inference/limits.py): take a slot or raise ApiError 429."""
-    await database_sync_to_async(limits.admit_tenant_sync)(api_key.tenant_id, request_id)
+def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
+                      request_id: str) -> InferenceRequest:
+    """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
+    anything is stored or queued), then create the history row. One trip to the database
+    thread for both."""
+    limits.admit_tenant_sync(api_key.tenant_id, request_id)
+    try:
+        return InferenceRequest.objects.create(
+            id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,
+            model=parsed.model, session=parsed.session,
+        )
+    except BaseException:
+        limits.release_sync(api_key.tenant_id, request_id)
+        raise
 
 
 async def answer(queued: Queued) -> Submission:
@@ -245,15 +256,7 @@ async def cancel_quietly(request_id: str) -> None:
 # -- history rows ----------------------------------------------------------------------------
 
 
-@database_sync_to_async
-def _create_row(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> InferenceRequest:
-    return InferenceRequest.objects.create(
-        id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,
-        model=parsed.model, session=parsed.session,
-    )
-
-
-@database_sync_to_async
+@db.sync
 def close_row(request_id: str, error_code: str) -> None:
     """Close a row the daemon cannot close (it is gone): status error; free its
     concurrency slot (the daemon frees it only when it writes the end)."""
@@ -267,7 +270,7 @@ def close_row(request_id: str, error_code: str) -> None:
         limits.release_sync(tenant_id, request_id)
 
 
-@database_sync_to_async
+@db.sync
 def owned_row(tenant: Tenant, request_id: str) -> InferenceRequest:
     """The tenant's row, else 404 (another tenant's id looks exactly like an unknown one)."""
     row = InferenceRequest.objects.for_tenant(tenant).filter(id=request_id).first()

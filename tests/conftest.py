@@ -68,6 +68,14 @@ def clean_test_redis():
 
 
 @pytest.fixture(autouse=True)
+def web_db_on_test_connection(settings):
+    """In-process views and consumers reach the database through the test's own connection
+    (its data sits in an uncommitted transaction). Live servers keep inference/db.py's
+    thread, their default."""
+    settings.WEB_DB_THREAD = False
+
+
+@pytest.fixture(autouse=True)
 def fresh_tenant_limits():
     """Drop per-tenant limit counters before each test: test databases reuse tenant ids
     (rolled-back transactions), so one test's counters would otherwise hit the next's tenant."""

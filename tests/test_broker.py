@@ -38,6 +38,17 @@ async def test_live_daemons_skips_expired_snapshots(r):
         r.zrem(protocol.DAEMONS_ZSET, dead.daemon_id)
 
 
+async def test_is_served_reuses_only_a_recent_yes():
+    daemon = StandIn().start()
+    try:
+        assert await broker.is_served(daemon.model, max_age_s=60)
+    finally:
+        daemon.stop()
+    assert await broker.is_served(daemon.model, max_age_s=60)  # seen served a moment ago
+    assert not await broker.is_served(daemon.model)  # asked afresh: gone
+    assert not await broker.is_served(f"never-{uuid.uuid4().hex}", max_age_s=60)
+
+
 async def test_publish_cancel_sets_the_flag_and_notifies(r, request_id):
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(protocol.CANCEL_CHANNEL)
