@@ -6,9 +6,12 @@ request, ~100 tokens, greedy, ignore_eos, no prefix cache) go
   "http":   through daphne + Redis + a run_scheduler daemon, POST /v1/completions with
             stream=true (request sent -> first SSE chunk with text), a minimal asyncio client.
 Both setups have the same engine sizes and run in this one process's run, interleaved per
-repetition so machine drift hits both alike. TTFT p50 is over all requests of a
-concurrency level; throughput is generated tokens / wall time of each batch (best rep).
-Run:  .venv/bin/python bench/http_overhead.py [--conc 1 4 8] [--new-tokens 64] [--reps 3]
+repetition (alternating which goes first) so machine drift hits both alike. TTFT p50 is
+over all requests of a concurrency level; throughput is generated tokens / wall time of
+each batch, median over reps; the ratio is the median of the reps' paired ratios. On a
+shared 2-core VM single runs vary by +-10%: keep --reps high.
+The daemon runs with the service's defaults (STREAM_INTERVAL_MS among them).
+Run:  .venv/bin/python bench/http_overhead.py [--conc 1 4 8] [--new-tokens 64] [--reps 8]
 Needs Redis (--redis-url, default database 14). The last line printed is JSON.
 """
 
@@ -236,7 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conc", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     args = parser.parse_args()
@@ -272,29 +275,33 @@ def main() -> None:
         for conc in args.conc:
             inproc = {"ttfts": [], "tok_s": []}
             http = {"ttfts": [], "tok_s": []}
+            ratios = []
             for rep in range(args.reps):
                 prompts = make_prompts(engine, conc, rep * 100 + conc)
-                for mode, result in (
-                    (inproc, run_inproc(core, prompts, args.new_tokens)),
-                    (http, run_http(stack.port, key, stack.model, prompts, args.new_tokens)),
-                ):
+                runs = [
+                    (inproc, lambda: run_inproc(core, prompts, args.new_tokens)),
+                    (http, lambda: run_http(stack.port, key, stack.model, prompts, args.new_tokens)),
+                ]
+                for mode, run in runs if rep % 2 == 0 else runs[::-1]:  # no order bias
+                    result = run()
                     mode["ttfts"] += result["ttfts"]
                     mode["tok_s"].append(result["tok_s"])
+                ratios.append(http["tok_s"][-1] / inproc["tok_s"][-1])
             row = {
                 "conc": conc,
                 "inproc": {
                     "ttft_p50_ms": p50_ms(inproc["ttfts"]),
-                    "tok_s": round(max(inproc["tok_s"]), 2),
+                    "tok_s": round(statistics.median(inproc["tok_s"]), 2),
                 },
                 "http": {
                     "ttft_p50_ms": p50_ms(http["ttfts"]),
-                    "tok_s": round(max(http["tok_s"]), 2),
+                    "tok_s": round(statistics.median(http["tok_s"]), 2),
                 },
             }
             row["ttft_overhead_ms"] = round(
                 row["http"]["ttft_p50_ms"] - row["inproc"]["ttft_p50_ms"], 1
             )
-            row["throughput_ratio"] = round(row["http"]["tok_s"] / row["inproc"]["tok_s"], 3)
+            row["throughput_ratio"] = round(statistics.median(ratios), 3)
             rows.append(row)
             print(
                 f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms "

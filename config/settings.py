@@ -158,6 +158,9 @@ KV_BLOCK_TOKENS = env_int("KV_BLOCK_TOKENS", 256)
 CACHE_PROMPT = env_bool("CACHE_PROMPT", True)
 PROMPT_CACHE_RAM_MB = env_int("PROMPT_CACHE_RAM_MB", 256)
 PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 1.0)
+# A stream's later tokens are written to Redis at most this often (several per event); its
+# first token and its end go at once. 0: every tick. See docs/daemon.md.
+STREAM_INTERVAL_MS = env_int("STREAM_INTERVAL_MS", 50)
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 LOGGING = {

@@ -64,15 +64,28 @@ def _call(fn: Callable[..., R], *args: object, **kwargs: object) -> R:
     global _last_used
     now = time.monotonic()
     if now - _last_used > RECHECK_AFTER_IDLE_S:
-        for conn in connections.all(initialized_only=True):
-            if conn.connection is not None and not conn.is_usable():
-                conn.close()
+        drop_dead_connections()
     _last_used = now
     try:
         return fn(*args, **kwargs)
     finally:
-        for conn in connections.all(initialized_only=True):
-            _tidy(conn)
+        tidy_connections()
+
+
+def drop_dead_connections() -> None:
+    """Close this thread's connections that no longer answer (a ping on PostgreSQL)."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is not None and not conn.is_usable():
+            conn.close()
+
+
+def tidy_connections() -> None:
+    """After a unit of work on a thread that keeps its connections (this module's thread,
+    the daemon's writer): close those an error left unusable or a transaction left open;
+    keep the healthy ones. ``close_old_connections`` would close every one of them while
+    ``CONN_MAX_AGE`` is 0, and the next query would pay for a new connection."""
+    for conn in connections.all(initialized_only=True):
+        _tidy(conn)
 
 
 def _tidy(conn: BaseDatabaseWrapper) -> None:

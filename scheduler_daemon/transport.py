@@ -56,6 +56,7 @@ class _Buffer:
 
     items: list[_Outgoing] = field(default_factory=list)
     held: dict[str, list[_Outgoing]] = field(default_factory=dict)
+    urgent: bool = False  # holds an event that must not wait for the stream interval
 
 
 class DaemonTransport:
@@ -68,7 +69,11 @@ class DaemonTransport:
         model: str,
         daemon_id: str | None = None,
         config_info: dict[str, Any] | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
+        """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
+        most this often, several to one event; its first token, ``accepted`` and the end go
+        at once. 0: every tick's tokens are written at the end of that tick."""
         self.core = core
         self.redis = client
         self.model = model
@@ -79,6 +84,9 @@ class DaemonTransport:
         self._entries: dict[str, str] = {}  # request id -> jobs-stream entry id
         self._tenants: dict[str, str] = {}  # request id -> tenant id, for the request log
         self._buffer = _Buffer()
+        self.stream_interval_s = stream_interval_s
+        self._last_flush = 0.0
+        self._streaming: set[str] = set()  # requests whose first text has been buffered
         self._cond = threading.Condition()
         self._intake_open = threading.Event()
         self.draining = False  # an operator's drain: jobs stay in the stream for other daemons
@@ -118,7 +126,7 @@ class DaemonTransport:
         self._intake_open.clear()
         self.core.stop(grace_s)
         self._running.clear()
-        self._wake()
+        self._wake(force=True)
         for thread in self._threads:
             thread.join(timeout=10)
         self._flush()
@@ -208,6 +216,7 @@ class DaemonTransport:
             )
             self._buffer.items.append(accepted)
             self._buffer.items.extend(self._buffer.held.pop(job.id))
+            self._buffer.urgent = True
             self._cond.notify()
         if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while we were submitting
             self.core.cancel(job.id)
@@ -284,10 +293,16 @@ class DaemonTransport:
             if held is not None:
                 held.append(item)
                 return
+            if item.kind == protocol.TOKEN and event.request_id not in self._streaming:
+                if item.data["text"]:  # the first text (TTFT) does not wait
+                    self._streaming.add(event.request_id)
+                    self._buffer.urgent = True
             if item.kind in protocol.TERMINAL:
+                self._streaming.discard(event.request_id)
                 item.entry_id = self._entries.pop(event.request_id, None)
             self._buffer.items.append(item)
             if item.kind in protocol.TERMINAL:
+                self._buffer.urgent = True
                 self._cond.notify()
 
     def _queue_terminal(
@@ -295,19 +310,35 @@ class DaemonTransport:
     ) -> None:
         with self._cond:
             self._buffer.items.append(_Outgoing(request_id, kind, data, entry_id))
+            self._buffer.urgent = True
             self._cond.notify()
 
-    def _wake(self) -> None:
+    def _wake(self, force: bool = False) -> None:
+        """After each tick: let the writer go if what it holds is due (or ``force``)."""
         with self._cond:
-            self._cond.notify()
+            if force or self._flush_wait_s() == 0.0:
+                self._cond.notify()
+
+    def _flush_wait_s(self) -> float | None:
+        """How long buffered events may still wait (0: now); None when nothing is buffered.
+        Called with the condition held."""
+        if not self._buffer.items:
+            return None
+        if self._buffer.urgent:
+            return 0.0
+        return max(0.0, self._last_flush + self.stream_interval_s - time.monotonic())
 
     def _writer_loop(self) -> None:
         while self._running.is_set():
             with self._cond:
-                if not self._buffer.items:
-                    self._cond.wait(timeout=protocol.HEARTBEAT_INTERVAL_S / 4)
+                wait = self._flush_wait_s()
+                if wait != 0.0:
+                    idle = protocol.HEARTBEAT_INTERVAL_S / 4
+                    self._cond.wait(timeout=idle if wait is None else min(wait, idle))
+                due = self._flush_wait_s() == 0.0
             try:
-                self._flush()
+                if due:
+                    self._flush()
                 now = time.monotonic()
                 if now - self._last_heartbeat >= protocol.HEARTBEAT_INTERVAL_S:
                     self._heartbeat()
@@ -320,11 +351,16 @@ class DaemonTransport:
 
     def _flush(self) -> None:
         """Write everything buffered in one round trip. History rows are closed before the
-        terminal event goes out (a client that saw ``done`` finds its row final)."""
+        terminal event goes out (a client that saw ``done`` finds its row final). If Redis
+        fails, the events go back to the front of the buffer for the next try."""
         with self._cond:
             items, self._buffer.items = self._buffer.items, []
+            self._buffer.urgent = False
+            if items:
+                self._last_flush = time.monotonic()
         if not items:
             return
+        items = _coalesce(items)
         ended: list[tuple[str, str, int]] = []  # (tenant id, request id, tokens used)
         for item in items:
             if item.kind in protocol.TERMINAL:
@@ -338,12 +374,11 @@ class DaemonTransport:
                 tenant_id = self._tenants.get(item.request_id)
                 if tenant_id is not None:
                     ended.append((tenant_id, item.request_id, _total_tokens(item.data)))
-                self._log_end(item)
         pipe = self.redis.pipeline(transaction=False)
         now = time.time()
         for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
             protocol.record_usage(pipe, tenant_id, request_id, total_tokens, now)
-        for item in _coalesce(items):
+        for item in items:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
             if item.kind == protocol.ACCEPTED:
@@ -352,10 +387,18 @@ class DaemonTransport:
                 pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            with self._cond:
+                self._buffer.items[:0] = items
+                self._buffer.urgent = True
+            raise
         for item in items:
             if item.kind == protocol.ACCEPTED:
                 history.mark_running(item.request_id, item.data["prompt_tokens"])
+            elif item.kind in protocol.TERMINAL:
+                self._log_end(item)
 
     def _log_end(self, item: _Outgoing) -> None:
         usage = item.data.get("usage") or {}

@@ -56,6 +56,21 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert "France" not in json.dumps(line)  # no prompt text in the request log
 
 
+def test_stream_interval_sends_the_first_text_at_once_and_later_tokens_together(make_daemon):
+    daemon = make_daemon(STREAM_INTERVAL_MS="60000").start()  # nothing else is due in time
+    request_id = uuid.uuid4().hex
+    params = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    daemon.enqueue(id=request_id, prompt="Once upon a time", params=params)
+    events = daemon.events(request_id)
+    tokens = [data for _, kind, data in events if kind == "token"]
+    assert [kind for _, kind, _ in events] == ["accepted", "token", "token", "done"]
+    assert tokens[0]["text"]  # the first text went out on its own (its TTFT does not wait)
+    assert tokens[0]["n_tokens"] < 24  # the rest waited for the interval or the end
+    usage = events[-1][2]["usage"]
+    assert sum(d["n_tokens"] for d in tokens) == usage["completion_tokens"] == 24
+    assert daemon.snapshot()["config"]["stream_interval_ms"] == 60000
+
+
 def test_chat_job_uses_the_cache_scope(daemon):
     messages = [{"role": "user", "content": "Name a fruit."}]
     first = daemon.enqueue(kind="chat", messages=messages, params=GREEDY, cache_scope="tenant-x")

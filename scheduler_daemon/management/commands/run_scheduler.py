@@ -32,6 +32,7 @@ CONFIG_SETTINGS = (
     "KV_BLOCK_TOKENS",
     "CACHE_PROMPT",
     "PROMPT_CACHE_RAM_MB",
+    "STREAM_INTERVAL_MS",
 )
 
 
@@ -70,6 +71,7 @@ class Command(BaseCommand):
             settings.MODEL_NAME,
             daemon_id=options["daemon_id"],
             config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
+            stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
         )
         core.start()
         transport.start()
