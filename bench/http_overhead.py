@@ -278,12 +278,12 @@ def main() -> None:
             ratios = []
             for rep in range(args.reps):
                 prompts = make_prompts(engine, conc, rep * 100 + conc)
-                runs = [
-                    (inproc, lambda: run_inproc(core, prompts, args.new_tokens)),
-                    (http, lambda: run_http(stack.port, key, stack.model, prompts, args.new_tokens)),
-                ]
-                for mode, run in runs if rep % 2 == 0 else runs[::-1]:  # no order bias
-                    result = run()
+                order = [inproc, http] if rep % 2 == 0 else [http, inproc]  # no order bias
+                for mode in order:
+                    if mode is inproc:
+                        result = run_inproc(core, prompts, args.new_tokens)
+                    else:
+                        result = run_http(stack.port, key, stack.model, prompts, args.new_tokens)
                     mode["ttfts"] += result["ttfts"]
                     mode["tok_s"].append(result["tok_s"])
                 ratios.append(http["tok_s"][-1] / inproc["tok_s"][-1])
