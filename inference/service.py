@@ -131,7 +131,8 @@ async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
         return
     daemon_id = submission.first.data.get("daemon_id")
     assert submission.first.entry_id is not None
-    rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id)
+    rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id,
+                  resuming=False)
     async with aclosing(rest):
         async for event in rest:
             if event is not None and event.is_terminal:
@@ -139,13 +140,14 @@ async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
             yield event
 
 
-async def follow(request_id: str, after: str, model: str,
-                 daemon_id: str | None = None) -> AsyncIterator[StreamEvent | None]:
+async def follow(request_id: str, after: str, model: str, daemon_id: str | None = None,
+                 resuming: bool = True) -> AsyncIterator[StreamEvent | None]:
     """Events after ``after`` up to the terminal one; ``None`` after each idle second.
 
     Ends with a synthetic ``error`` (no entry id) if the request outlives REQUEST_TIMEOUT_S.
+    ``resuming``: a reader coming back may ask after the end; a live submission cannot.
     """
-    if after != "0-0" and await _ended_before(request_id, after):
+    if resuming and after != "0-0" and await _ended_before(request_id, after):
         return
     if daemon_id is None:
         first = await broker.first_event(request_id)
