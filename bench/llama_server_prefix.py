@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from _common import machine
-from prefix_cache import QUESTIONS, SYSTEM, TOPICS
+from prefix_cache import SYSTEM, scenario, summarize
 
 
 def ask(url: str, messages: list[dict], new_tokens: int) -> dict:
@@ -80,38 +79,16 @@ def main() -> None:
     chats = [[{"role": "system", "content": SYSTEM}] for _ in range(args.conversations)]
     results: list[dict] = []
     t0 = time.perf_counter()
-    for turn in range(args.turns):
-        for first in range(0, args.conversations, 2):
-            pair = range(first, min(first + 2, args.conversations))
-            answers: dict[int, dict] = {}
-
-            def run(i: int) -> None:
-                answers[i] = ask(args.url, chats[i], args.new_tokens)
-
-            for i in pair:
-                question = QUESTIONS[turn % len(QUESTIONS)].format(topic=TOPICS[i % len(TOPICS)])
-                chats[i].append({"role": "user", "content": question})
-            threads = [threading.Thread(target=run, args=(i,)) for i in pair]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for i in pair:
-                results.append(answers[i])
-                chats[i].append({"role": "assistant", "content": answers[i]["text"]})
-    wall_s = time.perf_counter() - t0
-    ttft = sorted(r["ttft_ms"] for r in results)
-    prompt = sum(r["prompt_tokens"] for r in results)
-    cached = sum(r["cached_tokens"] for r in results)
-    row = {
-        "requests": len(results),
-        "ttft_ms_median": round(statistics.median(ttft), 1),
-        "ttft_ms_p90": round(statistics.quantiles(ttft, n=10, method="inclusive")[8], 1),
-        "cached_ratio": round(cached / prompt, 3) if prompt else 0.0,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "wall_s": round(wall_s, 2),
-    }
+    for pair in scenario(args.conversations, args.turns):
+        for i, question in pair:
+            chats[i].append({"role": "user", "content": question})
+        ids = [i for i, _ in pair]
+        with ThreadPoolExecutor(len(ids)) as pool:  # the pair is sent together
+            answers = list(pool.map(lambda i: ask(args.url, chats[i], args.new_tokens), ids))
+        for i, answer in zip(ids, answers, strict=True):
+            results.append(answer)
+            chats[i].append({"role": "assistant", "content": answer["text"]})
+    row = {**summarize(results), "wall_s": round(time.perf_counter() - t0, 2)}
     print(f"machine: {machine()}")
     print(f"llama-server at {args.url}: {row}")
     print(json.dumps({"bench": "llama_server_prefix", "machine": machine(), **row}))

@@ -23,6 +23,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Iterator
 
 from _common import machine, model_path
 
@@ -75,6 +76,31 @@ MODES = {  # name: (scheduler config, send a session per conversation)
 }
 
 
+def scenario(conversations: int, turns: int) -> Iterator[list[tuple[int, str]]]:
+    """The arrival order: per turn, conversations two at a time -> [(conversation, question)]."""
+    for turn in range(turns):
+        for first in range(0, conversations, 2):
+            yield [
+                (i, QUESTIONS[turn % len(QUESTIONS)].format(topic=TOPICS[i % len(TOPICS)]))
+                for i in range(first, min(first + 2, conversations))
+            ]
+
+
+def summarize(results: list[dict]) -> dict:
+    """TTFT median and p90, cached-token ratio of requests with ttft_ms/prompt/cached tokens."""
+    ttft = sorted(r["ttft_ms"] for r in results)
+    prompt = sum(r["prompt_tokens"] for r in results)
+    cached = sum(r["cached_tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "ttft_ms_median": round(statistics.median(ttft), 1),
+        "ttft_ms_p90": round(statistics.quantiles(ttft, n=10, method="inclusive")[8], 1),
+        "cached_ratio": round(cached / prompt, 3) if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+    }
+
+
 def run_mode(engine: LlamaEngine, mode: str, args: argparse.Namespace) -> dict:
     config, sessions = MODES[mode]
     core = InferenceCore(engine, config)
@@ -85,43 +111,32 @@ def run_mode(engine: LlamaEngine, mode: str, args: argparse.Namespace) -> dict:
     chats = [[{"role": "system", "content": SYSTEM}] for _ in range(args.conversations)]
     results: list[dict] = []
     t0 = time.perf_counter()
-    for turn in range(args.turns):
-        for first in range(0, args.conversations, 2):
-            pair = range(first, min(first + 2, args.conversations))
-            handles = {}
-            for i in pair:
-                question = QUESTIONS[turn % len(QUESTIONS)].format(topic=TOPICS[i % len(TOPICS)])
-                chats[i].append({"role": "user", "content": question})
-                handles[i] = core.submit(
-                    messages=chats[i],
-                    params=params,
-                    cache_scope="tenant-1",
-                    session=f"conv-{i}" if sessions else None,
-                )
-            for i, handle in handles.items():
-                done = handle.result(timeout=600)
-                stats = done.finished.stats
-                results.append(
-                    {
-                        "ttft_ms": stats.ttft_ms,
-                        "prompt_tokens": stats.prompt_tokens,
-                        "cached_tokens": stats.cached_tokens,
-                    }
-                )
-                chats[i].append({"role": "assistant", "content": done.text})
+    for pair in scenario(args.conversations, args.turns):
+        handles = {}
+        for i, question in pair:
+            chats[i].append({"role": "user", "content": question})
+            handles[i] = core.submit(
+                messages=chats[i],
+                params=params,
+                cache_scope="tenant-1",
+                session=f"conv-{i}" if sessions else None,
+            )
+        for i, handle in handles.items():
+            done = handle.result(timeout=600)
+            stats = done.finished.stats
+            results.append(
+                {
+                    "ttft_ms": stats.ttft_ms,
+                    "prompt_tokens": stats.prompt_tokens,
+                    "cached_tokens": stats.cached_tokens,
+                }
+            )
+            chats[i].append({"role": "assistant", "content": done.text})
     wall_s = time.perf_counter() - t0
     counters = dict(core.scheduler.counters)
     core.stop(grace_s=0)
-    ttft = sorted(r["ttft_ms"] for r in results)
-    prompt = sum(r["prompt_tokens"] for r in results)
-    cached = sum(r["cached_tokens"] for r in results)
     return {
-        "requests": len(results),
-        "ttft_ms_median": round(statistics.median(ttft), 1),
-        "ttft_ms_p90": round(statistics.quantiles(ttft, n=10, method="inclusive")[8], 1),
-        "cached_ratio": round(cached / prompt, 3),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
+        **summarize(results),
         "wall_s": round(wall_s, 2),
         "ram_saves": counters.get("ram_save", 0),
         "ram_restores": counters.get("ram_restore", 0),
