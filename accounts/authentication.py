@@ -1,5 +1,7 @@
 """API key authentication: `Authorization: Bearer sk-<prefix>.<secret>`."""
 
+import time
+
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
@@ -20,6 +22,7 @@ def authenticate_key(raw: str) -> ApiKey | None:
     if api_key is None or not api_key.matches(secret) or not api_key.is_usable:
         return None
     api_key.touch()
+    api_key.loaded_at = time.monotonic()  # its tenant's limits are this fresh
     return api_key
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from accounts.models import Tenant
+from accounts.models import ApiKey, Tenant
 from inference import broker
 from inference.api_errors import ApiError
 from scheduler_daemon import protocol
@@ -95,6 +95,21 @@ def slot_ttl_s() -> int:
 def admit_tenant_sync(tenant_id: int, request_id: str) -> None:
     """``admit_sync`` with the tenant's limits as the database has them now."""
     admit_sync(tenant_id, request_id, Limits.for_tenant(tenant_id))
+
+
+FRESH_KEY_S = 1.0  # a key (and its tenant) loaded this recently counts as read now
+
+
+def admit_key_sync(api_key: ApiKey, request_id: str) -> None:
+    """``admit_sync`` for a request made with ``api_key``: the tenant's limits as loaded with
+    the key if that was at most FRESH_KEY_S ago (a REST request authenticates every time),
+    else as the database has them now (a websocket keeps its key for the connection)."""
+    loaded_at = getattr(api_key, "loaded_at", None)
+    if loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S:
+        tenant = api_key.tenant
+        admit_sync(tenant.pk, request_id, Limits(**{f: getattr(tenant, f) for f in FIELDS}))
+    else:
+        admit_tenant_sync(api_key.tenant_id, request_id)
 
 
 def admit_sync(

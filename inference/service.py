@@ -89,7 +89,7 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
     anything is stored or queued), then create the history row. One trip to the database
     thread for both."""
-    limits.admit_tenant_sync(api_key.tenant_id, request_id)
+    limits.admit_key_sync(api_key, request_id)
     try:
         return InferenceRequest.objects.create(
             id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,

@@ -158,3 +158,23 @@ def test_two_processes_bursting_admit_exactly_the_limit():
     for proc in procs:
         proc.join(timeout=30)
     assert sum(counts) == 9
+
+
+@pytest.mark.django_db
+def test_a_key_just_loaded_brings_its_tenants_limits_and_an_old_one_reads_them_again():
+    from accounts.authentication import authenticate_key
+    from accounts.models import ApiKey
+
+    tenant = Tenant.objects.create(name="fresh", slug=f"fresh-{uuid.uuid4().hex[:8]}",
+                                   max_concurrent=1)
+    _, raw = ApiKey.issue(tenant, "k")
+    api_key = authenticate_key(raw)
+    limits.admit_key_sync(api_key, uuid.uuid4().hex)
+    Tenant.objects.filter(pk=tenant.pk).update(max_concurrent=2)  # raised after the key loaded
+    with pytest.raises(ApiError) as refused:  # a REST request: the limits it loaded with the key
+        limits.admit_key_sync(api_key, uuid.uuid4().hex)
+    assert refused.value.code == limits.CONCURRENCY_LIMITED
+    api_key.loaded_at -= limits.FRESH_KEY_S + 1  # a websocket's key, loaded long ago
+    limits.admit_key_sync(api_key, uuid.uuid4().hex)  # reads the raised limit
+    with pytest.raises(ApiError):
+        limits.admit_key_sync(api_key, uuid.uuid4().hex)
