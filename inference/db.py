@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from channels.db import database_sync_to_async
 from django.conf import settings
@@ -45,14 +45,14 @@ async def run(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     return await asyncio.get_running_loop().run_in_executor(_executor, call)
 
 
-def sync(fn: Callable[P, R]) -> Callable[P, asyncio.Future[R]]:
+def sync(fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Decorator: an async version of ``fn`` that runs on the database thread."""
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         return await run(fn, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def close() -> None:
