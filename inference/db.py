@@ -26,12 +26,11 @@ from typing import Any, ParamSpec, TypeVar
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connections
-from django.db.backends.base.base import BaseDatabaseWrapper
+
+from config.db import RECHECK_AFTER_IDLE_S, drop_dead_connections, tidy_connections
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-RECHECK_AFTER_IDLE_S = 30.0  # a connection unused this long is pinged before it is trusted
 
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="web-db")
 _last_used = 0.0
@@ -70,32 +69,3 @@ def _call(fn: Callable[..., R], *args: object, **kwargs: object) -> R:
         return fn(*args, **kwargs)
     finally:
         tidy_connections()
-
-
-def drop_dead_connections() -> None:
-    """Close this thread's connections that no longer answer (a ping on PostgreSQL)."""
-    for conn in connections.all(initialized_only=True):
-        if conn.connection is not None and not conn.is_usable():
-            conn.close()
-
-
-def tidy_connections() -> None:
-    """After a unit of work on a thread that keeps its connections (this module's thread,
-    the daemon's writer): close those an error left unusable or a transaction left open;
-    keep the healthy ones. ``close_old_connections`` would close every one of them while
-    ``CONN_MAX_AGE`` is 0, and the next query would pay for a new connection."""
-    for conn in connections.all(initialized_only=True):
-        _tidy(conn)
-
-
-def _tidy(conn: BaseDatabaseWrapper) -> None:
-    """Django's ``close_if_unusable_or_obsolete`` without the age limit."""
-    if conn.connection is None:
-        return
-    if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
-        conn.close()  # a transaction was left open: start clean
-    elif conn.errors_occurred:
-        if conn.is_usable():
-            conn.errors_occurred = False
-        else:
-            conn.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from inference.db import RECHECK_AFTER_IDLE_S, drop_dead_connections, tidy_connections
+from config.db import RECHECK_AFTER_IDLE_S, drop_dead_connections, tidy_connections
 
 log = logging.getLogger(__name__)
 
