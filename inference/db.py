@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -27,13 +26,12 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connections
 
-from config.db import RECHECK_AFTER_IDLE_S, drop_dead_connections, tidy_connections
+from config.db import kept_connections
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="web-db")
-_last_used = 0.0
 
 
 async def run(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -60,12 +58,5 @@ def close() -> None:
 
 
 def _call(fn: Callable[..., R], *args: object, **kwargs: object) -> R:
-    global _last_used
-    now = time.monotonic()
-    if now - _last_used > RECHECK_AFTER_IDLE_S:
-        drop_dead_connections()
-    _last_used = now
-    try:
+    with kept_connections():
         return fn(*args, **kwargs)
-    finally:
-        tidy_connections()

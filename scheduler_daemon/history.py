@@ -11,36 +11,28 @@ and one idle for a while is pinged before it is trusted.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from django.utils import timezone
 
-from config.db import RECHECK_AFTER_IDLE_S, drop_dead_connections, tidy_connections
+from config.db import kept_connections
 
 log = logging.getLogger(__name__)
 
 _STATUS = {"stop": "done", "length": "done", "cancelled": "cancelled", "error": "error"}
-_last_write = 0.0
 
 
 def _update(request_id: str, only_if_status: str | None = None, **fields: Any) -> None:
     from inference.models import InferenceRequest
 
-    global _last_write
     rows = InferenceRequest.objects.filter(id=request_id)
     if only_if_status is not None:
         rows = rows.filter(status=only_if_status)
     try:
-        now = time.monotonic()
-        if now - _last_write > RECHECK_AFTER_IDLE_S:
-            drop_dead_connections()
-        _last_write = now
-        rows.update(**fields)
+        with kept_connections():
+            rows.update(**fields)
     except Exception:  # the history must never take the daemon down
         log.exception("could not update history row %s", request_id)
-    finally:
-        tidy_connections()
 
 
 def mark_running(request_id: str, prompt_tokens: int) -> None:
