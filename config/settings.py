@@ -43,14 +43,23 @@ INSTALLED_APPS = [
     "scheduler_daemon",
 ]
 
+# Django's defaults; the three that do no I/O run their hooks on the event loop under ASGI
+# (config/middleware.py: Django puts every other hook on a thread).
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
+    "config.middleware.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    "config.middleware.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "config.middleware.XFrameOptionsMiddleware",
+]
+# The key-authenticated API (/v1/, config/asgi.py) has no use for sessions, CSRF, users or
+# messages: it runs on a handler with only these (same headers as the site).
+API_MIDDLEWARE = [
+    "config.middleware.SecurityMiddleware",
+    "config.middleware.CommonMiddleware",
+    "config.middleware.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"

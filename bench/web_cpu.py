@@ -1,0 +1,99 @@
+"""CPU the web process (daphne) and the daemon spend per request, read from /proc.
+
+On a 2-core machine every millisecond the web spends is taken from llama.cpp's threads, so
+this is the number behind bench/http_overhead.py's TTFT and throughput gaps, and it is far
+less noisy than either: CPU time does not depend on what else the machine is doing (much).
+Sequential requests, one at a time, through the same stack http_overhead.py starts
+(daphne + run_scheduler + Redis, service defaults):
+  short:  POST /v1/completions, max_tokens 1, streamed (SSE) and not;
+  stream: max_tokens N streamed, so (stream - short) / (N - 1) is the cost per token.
+Run:  .venv/bin/python bench/web_cpu.py [--requests 40] [--new-tokens 64]
+The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+
+from _common import machine, model_path  # noqa: F401  (sets sys.path)
+from http_overhead import Stack, one_stream
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ms(pid: int) -> float:
+    """User + system CPU of a process so far, in ms."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / TICKS
+
+
+async def plain(port: int, key: str, body: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    data = await reader.read()
+    if b" 200 " not in data.split(b"\r\n", 1)[0]:
+        raise RuntimeError(data[:300])
+    writer.close()
+
+
+def measure(stack: Stack, key: str, n: int, max_tokens: int, stream: bool) -> dict:
+    body = json.dumps({
+        "model": stack.model, "prompt": "The history of bread", "max_tokens": max_tokens,
+        "stream": stream, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+    }).encode()
+    web, daemon = stack.procs[1].pid, stack.procs[0].pid
+    per_web, per_daemon = [], []
+    for _ in range(n):
+        w0, d0 = cpu_ms(web), cpu_ms(daemon)
+        if stream:
+            asyncio.run(one_stream(stack.port, key, body))
+        else:
+            asyncio.run(plain(stack.port, key, body))
+        per_web.append(cpu_ms(web) - w0)
+        per_daemon.append(cpu_ms(daemon) - d0)
+    return {"web_ms": round(statistics.mean(per_web), 2),
+            "daemon_ms": round(statistics.mean(per_daemon), 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    args = parser.parse_args()
+    stack = Stack(args.redis_url, 4, os.cpu_count(), f"bench-{secrets.token_hex(3)}")
+    try:
+        key = stack.open()
+        measure(stack, key, 5, 1, True)  # warm up imports, connections, caches
+        rows = {
+            "short_json": measure(stack, key, args.requests, 1, False),
+            "short_sse": measure(stack, key, args.requests, 1, True),
+            "stream_sse": measure(stack, key, max(args.requests // 4, 5), args.new_tokens, True),
+        }
+    finally:
+        stack.close()
+    per_token = {
+        side: round((rows["stream_sse"][side] - rows["short_sse"][side]) / (args.new_tokens - 1), 3)
+        for side in ("web_ms", "daemon_ms")
+    }
+    print(f"machine: {machine()}")
+    print(f"{'':12} {'web ms':>8} {'daemon ms':>10}")
+    for name, row in rows.items():
+        print(f"{name:12} {row['web_ms']:>8.2f} {row['daemon_ms']:>10.2f}")
+    print(f"{'per token':12} {per_token['web_ms']:>8.3f} {per_token['daemon_ms']:>10.3f}")
+    print(json.dumps({"bench": "web_cpu", "machine": machine(), "requests": args.requests,
+                      "new_tokens": args.new_tokens, "rows": rows, "per_token": per_token}))
+
+
+if __name__ == "__main__":
+    main()
