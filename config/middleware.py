@@ -10,18 +10,26 @@ llama.cpp's share (bench/web_cpu.py measures it).
 - ``ApiHandler``: Django's ASGI handler with ``settings.API_MIDDLEWARE`` (async-capable
   middleware only) instead of ``MIDDLEWARE``. config/asgi.py routes ``API_PREFIX`` to it.
   The API authenticates by key, so sessions, CSRF, ``request.user`` and messages have
-  nothing to do there; the security headers are the same as the site's.
+  nothing to do there; the security headers are the same as the site's. Its async views
+  (completions, chat, the events stream) do every database call on inference/db.py's
+  thread, so for them it also skips Django's per-request thread (see ``_handle_on_loop``);
+  its sync views (DRF: history, health, models, usage) are handled as Django does.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-from django.core.handlers.asgi import ASGIHandler
+from django.core import signals
+from django.core.exceptions import ImproperlyConfigured, RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponseBase
 from django.middleware import clickjacking, common, security
+from django.urls import Resolver404, get_resolver, set_script_prefix
 from django.utils.module_loading import import_string
 
 API_PREFIX = "/v1/"  # every URL under it authenticates by API key (inference/urls.py)
@@ -74,3 +82,75 @@ class ApiHandler(ASGIHandler):
                 )
             handler = convert_exception_to_response(middleware(handler))
         self._middleware_chain = handler
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and _async_view(scope["path"], scope.get("root_path", "")):
+            await self._handle_on_loop(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def _handle_on_loop(self, scope: dict, receive: Any, send: Any) -> None:
+        """Django's ``handle`` (5.2) for an async view that never uses the ORM on the
+        request's thread: without a ``ThreadSensitiveContext``, and with the request signals
+        sent and the response closed on the event loop. Django would start a thread for the
+        request and hop to it three times, only for ``close_old_connections`` to find no
+        connection there. Here it runs on the loop thread, which has none either (Django
+        refuses ORM calls on it)."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            error_response.close()
+            return
+
+        async def process_request() -> HttpResponseBase:
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:
+                pass  # the client went away while it was sent
+            return response
+
+        # As Django: a disconnect while the view runs cancels it (the view's
+        # CancelIfAbandoned then cancels the inference request).
+        listener = asyncio.create_task(self.listen_for_disconnect(receive))
+        worker = asyncio.create_task(process_request())
+        await asyncio.wait([listener, worker], return_when=asyncio.FIRST_COMPLETED)
+        for task in (listener, worker):
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        try:
+            response = worker.result()
+        except asyncio.CancelledError:
+            signals.request_finished.send(sender=self.__class__)
+        else:
+            response.close()  # sends request_finished
+        body_file.close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _async_view(path: str, root_path: str) -> bool:
+    """Whether ``path`` resolves to an async view (which ``_handle_on_loop`` may serve)."""
+    try:
+        match = get_resolver().resolve(path.removeprefix(root_path) or "/")
+    except Resolver404:
+        return False
+    return iscoroutinefunction(match.func)

@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import pytest
+from django.core import signals
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
@@ -91,3 +92,49 @@ def test_inline_hooks_run_on_the_event_loop_thread():
     loop_thread, response = asyncio.run(call())
     assert response["X-Probe"] == "seen"
     assert threads == [loop_thread, loop_thread]
+
+
+async def _asgi(app, method, path):
+    """One request straight to an ASGI app; the reply's messages."""
+    sent, pending = [], [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client never leaves
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.django_db(transaction=True)
+def test_async_api_views_run_without_a_request_thread():
+    """The completion endpoints are served on the event loop: the request signals fire on
+    its thread; a DRF view still gets Django's thread for the request."""
+    seen = []
+
+    def started(**kwargs):
+        seen.append(threading.get_ident())
+
+    signals.request_started.connect(started)
+    try:
+        async def both():
+            completions = await _asgi(ApiHandler(), "POST", "/v1/completions")
+            loop_thread = threading.get_ident()
+            health = await _asgi(ApiHandler(), "GET", "/v1/health")
+            return loop_thread, completions, health
+
+        loop_thread, completions, health = asyncio.run(both())
+    finally:
+        signals.request_started.disconnect(started)
+    assert completions[0]["status"] == 401  # no key: answered, in the API's shape
+    assert b"invalid_api_key" in completions[1]["body"]
+    assert health[0]["status"] == 200
+    assert seen[0] == loop_thread and seen[1] != loop_thread
