@@ -8,10 +8,14 @@ request, ~100 tokens, greedy, ignore_eos, no prefix cache) go
 Both setups have the same engine sizes and run in this one process's run, interleaved per
 repetition (alternating which goes first) so machine drift hits both alike. TTFT p50 is
 over all requests of a concurrency level; throughput is generated tokens / wall time of
-each batch, median over reps; the ratio is the median of the reps' paired ratios. On a
-shared 2-core VM single runs vary by +-10%: keep --reps high.
+each batch; the ratio is the median of the reps' paired ratios. TTFT is measured in its own
+phase (two new tokens, --ttft-reps pairs) and reported both as the issue asks (difference of
+the p50s) and paired (median of per-pair differences, with a 90% bootstrap interval). On a
+shared 2-core VM the same prefill varies by +-15% run to run (bench/README.md): read the
+intervals before the medians.
 The daemon runs with the service's defaults (STREAM_INTERVAL_MS among them).
 Run:  .venv/bin/python bench/http_overhead.py [--conc 1 4 8] [--new-tokens 64] [--reps 8]
+      [--ttft-reps 60 24 16]
 Needs Redis (--redis-url, default database 14). The last line printed is JSON.
 """
 
@@ -22,6 +26,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -68,7 +73,7 @@ def make_prompts(engine: LlamaEngine, n: int, salt: int) -> list[list[int]]:
 
 def run_inproc(core: InferenceCore, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    ttfts: list[float] = []
+    ttfts: list[float | None] = []
     tokens: list[int] = []
 
     def consume(handle, t0: float) -> None:
@@ -79,7 +84,7 @@ def run_inproc(core: InferenceCore, prompts: list[list[int]], new_tokens: int) -
                     first = time.perf_counter() - t0
             else:
                 tokens.append(event.stats.completion_tokens)
-        ttfts.append(first or 0.0)
+        ttfts.append(first)
 
     t0 = time.perf_counter()
     threads = []
@@ -89,6 +94,8 @@ def run_inproc(core: InferenceCore, prompts: list[list[int]], new_tokens: int) -
         threads[-1].start()
     for thread in threads:
         thread.join()
+    if len(ttfts) != len(prompts) or None in ttfts:
+        raise RuntimeError("a stream ended without text")  # never a silent 0 ms TTFT
     return {"ttfts": ttfts, "tok_s": sum(tokens) / (time.perf_counter() - t0)}
 
 
@@ -114,7 +121,8 @@ async def one_stream(port: int, key: str, body: bytes) -> tuple[float, int]:
         raise RuntimeError(f"HTTP {status!r}: {await reader.read()!r}")
     ttft, used = None, 0
     async for line in reader:
-        if not line.startswith(b"data: {"):
+        # parse only what is measured: chunks until the first text, then the usage chunk
+        if not line.startswith(b"data: {") or (ttft is not None and b'"usage"' not in line):
             continue
         chunk = json.loads(line[6:])
         if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -122,7 +130,9 @@ async def one_stream(port: int, key: str, body: bytes) -> tuple[float, int]:
         if chunk.get("usage"):
             used = chunk["usage"]["completion_tokens"]
     writer.close()
-    return ttft or 0.0, used
+    if ttft is None:
+        raise RuntimeError("a stream ended without text")
+    return ttft, used
 
 
 def run_http(port: int, key: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -235,14 +245,42 @@ def p50_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 1)
 
 
+def median_ci(values: list[float], level: float = 0.9, resamples: int = 2000) -> tuple:
+    """(median, low, high): a percentile-bootstrap interval for the median (seeded)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    cut = int(resamples * (1 - level) / 2)
+    return statistics.median(values), medians[cut], medians[-cut - 1]
+
+
+def paired(run_a, run_b, reps: int) -> list[tuple[dict, dict]]:
+    """``reps`` (a, b) result pairs, alternating which of the two runs first."""
+    pairs = []
+    for rep in range(reps):
+        if rep % 2 == 0:
+            a = run_a(rep)
+            b = run_b(rep)
+        else:
+            b = run_b(rep)
+            a = run_a(rep)
+        pairs.append((a, b))
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conc", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=8, help="throughput pairs per level")
+    parser.add_argument("--ttft-reps", type=int, nargs="+", default=[60, 24, 16],
+                        help="TTFT pairs per level (one value, or one per --conc level)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     args = parser.parse_args()
+    ttft_reps = dict(zip(args.conc, args.ttft_reps * len(args.conc) if len(args.ttft_reps) == 1
+                         else args.ttft_reps, strict=True))
     logging.basicConfig(level=logging.WARNING)
     n_seq = max(args.conc)
     engine = LlamaEngine(
@@ -262,53 +300,18 @@ def main() -> None:
         print(f"machine: {machine()}")
         print(
             f"n_ctx={N_CTX} n_batch={N_BATCH} n_seq_max={n_seq} threads={args.threads} "
-            f"prompt={PROMPT_TOKENS} new={args.new_tokens} reps={args.reps}"
+            f"prompt={PROMPT_TOKENS} new={args.new_tokens} reps={args.reps} "
+            f"ttft_reps={ttft_reps}"
         )
         warm = make_prompts(engine, 1, -1)
         run_inproc(core, warm, 4)
         run_http(stack.port, key, stack.model, warm, 4)
-        rows = []
         print(
-            f"{'conc':>4} {'ttft inproc':>11} {'ttft http':>9} {'tok/s inproc':>12} "
-            f"{'tok/s http':>10} {'ratio':>6}"
+            f"{'conc':>4} {'ttft inproc':>11} {'ttft http':>9} {'added p50 [90% CI]':>24} "
+            f"{'tok/s inproc':>12} {'tok/s http':>10} {'ratio [90% CI]':>22}"
         )
-        for conc in args.conc:
-            inproc = {"ttfts": [], "tok_s": []}
-            http = {"ttfts": [], "tok_s": []}
-            ratios = []
-            for rep in range(args.reps):
-                prompts = make_prompts(engine, conc, rep * 100 + conc)
-                order = [inproc, http] if rep % 2 == 0 else [http, inproc]  # no order bias
-                for mode in order:
-                    if mode is inproc:
-                        result = run_inproc(core, prompts, args.new_tokens)
-                    else:
-                        result = run_http(stack.port, key, stack.model, prompts, args.new_tokens)
-                    mode["ttfts"] += result["ttfts"]
-                    mode["tok_s"].append(result["tok_s"])
-                ratios.append(http["tok_s"][-1] / inproc["tok_s"][-1])
-            row = {
-                "conc": conc,
-                "inproc": {
-                    "ttft_p50_ms": p50_ms(inproc["ttfts"]),
-                    "tok_s": round(statistics.median(inproc["tok_s"]), 2),
-                },
-                "http": {
-                    "ttft_p50_ms": p50_ms(http["ttfts"]),
-                    "tok_s": round(statistics.median(http["tok_s"]), 2),
-                },
-            }
-            row["ttft_overhead_ms"] = round(
-                row["http"]["ttft_p50_ms"] - row["inproc"]["ttft_p50_ms"], 1
-            )
-            row["throughput_ratio"] = round(statistics.median(ratios), 3)
-            rows.append(row)
-            print(
-                f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms "
-                f"{row['http']['ttft_p50_ms']:>7.1f}ms {row['inproc']['tok_s']:>12.2f} "
-                f"{row['http']['tok_s']:>10.2f} {row['throughput_ratio']:>6.3f}",
-                flush=True,
-            )
+        rows = [measure_level(engine, core, stack, key, conc, args.new_tokens, args.reps,
+                              ttft_reps[conc]) for conc in args.conc]
     finally:
         stack.close()
         core.stop(grace_s=0)
@@ -322,10 +325,57 @@ def main() -> None:
                 "prompt_tokens": PROMPT_TOKENS,
                 "new_tokens": args.new_tokens,
                 "reps": args.reps,
+                "ttft_reps": ttft_reps,
                 "rows": rows,
             }
         )
     )
+
+
+def measure_level(engine: LlamaEngine, core: InferenceCore, stack: Stack, key: str, conc: int,
+                  new_tokens: int, reps: int, ttft_reps: int) -> dict:
+    """One concurrency level: a TTFT phase (2 new tokens, many pairs: a prefill of ~100 tokens
+    varies by +-15% run to run on a shared VM, so only many pairs resolve a few ms) and a
+    throughput phase (``new_tokens`` each, fewer pairs)."""
+
+    def inproc(tokens: int, salt: int):
+        return lambda rep: run_inproc(core, make_prompts(engine, conc, salt + rep), tokens)
+
+    def http(tokens: int, salt: int):
+        return lambda rep: run_http(stack.port, key, stack.model,
+                                    make_prompts(engine, conc, salt + rep), tokens)
+
+    salt = conc * 10_000
+    ttft_pairs = paired(inproc(2, salt), http(2, salt), ttft_reps)
+    tput_pairs = paired(inproc(new_tokens, salt + 5000), http(new_tokens, salt + 5000), reps)
+    ttft_in = [t for a, _ in ttft_pairs for t in a["ttfts"]]
+    ttft_http = [t for _, b in ttft_pairs for t in b["ttfts"]]
+    added = [statistics.median(b["ttfts"]) - statistics.median(a["ttfts"])
+             for a, b in ttft_pairs]
+    ratios = [b["tok_s"] / a["tok_s"] for a, b in tput_pairs]
+    added_ms = [round(x * 1000, 1) for x in median_ci(added)]
+    ratio = [round(x, 3) for x in median_ci(ratios)]
+    row = {
+        "conc": conc,
+        "inproc": {"ttft_p50_ms": p50_ms(ttft_in),
+                   "tok_s": round(statistics.median(a["tok_s"] for a, _ in tput_pairs), 2)},
+        "http": {"ttft_p50_ms": p50_ms(ttft_http),
+                 "tok_s": round(statistics.median(b["tok_s"] for _, b in tput_pairs), 2)},
+        # the issue's number: difference of the two p50s; and the paired estimate with its
+        # 90% interval (median over pairs of the pair's HTTP minus in-process median TTFT)
+        "ttft_overhead_ms": round(p50_ms(ttft_http) - p50_ms(ttft_in), 1),
+        "ttft_added_paired_ms": added_ms,
+        "throughput_ratio": ratio[0],
+        "throughput_ratio_ci90": ratio[1:],
+    }
+    print(
+        f"{conc:>4} {row['inproc']['ttft_p50_ms']:>9.1f}ms {row['http']['ttft_p50_ms']:>7.1f}ms "
+        f"{added_ms[0]:>+8.1f} [{added_ms[1]:+.1f}, {added_ms[2]:+.1f}] ms "
+        f"{row['inproc']['tok_s']:>12.2f} {row['http']['tok_s']:>10.2f} "
+        f"{ratio[0]:>7.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}]",
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":
