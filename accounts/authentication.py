@@ -6,6 +6,12 @@ from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
 from accounts.models import ApiKey, Tenant, split_key
+from config.db import PreparedQuery
+
+# Every API request runs this lookup: compiled once (prefix is unique: no ordering needed).
+_KEY_BY_PREFIX = PreparedQuery(
+    lambda prefix: ApiKey.objects.select_related("tenant").filter(prefix=prefix).order_by()[:1]
+)
 
 
 def authenticate_key(raw: str) -> ApiKey | None:
@@ -18,7 +24,7 @@ def authenticate_key(raw: str) -> ApiKey | None:
     if parts is None:
         return None
     prefix, secret = parts
-    api_key = ApiKey.objects.select_related("tenant").filter(prefix=prefix).first()
+    api_key = _KEY_BY_PREFIX.first(prefix)
     if api_key is None or not api_key.matches(secret) or not api_key.is_usable:
         return None
     api_key.touch()
