@@ -73,9 +73,7 @@ class ApiHandler(ASGIHandler):
         handler = convert_exception_to_response(self._get_response_async)
         for path in reversed(settings.API_MIDDLEWARE):
             middleware = import_string(path)
-            if not getattr(middleware, "async_capable", False) or not issubclass(
-                middleware, InlineHooks
-            ):
+            if not (isinstance(middleware, type) and issubclass(middleware, InlineHooks)):
                 raise ImproperlyConfigured(
                     f"API_MIDDLEWARE holds {path}: only config.middleware's inline "
                     "middleware runs there (no hooks on threads, no view hooks)."
