@@ -119,8 +119,8 @@ class PreparedQuery:
             queryset = self.build(*markers).using(using)
             compiler = queryset.query.get_compiler(using=using)
             sql, params = compiler.as_sql()
-            slots = tuple(params.index(m) for m in markers)
-            if sorted(p for p in params if p in markers) != sorted(markers):
+            if any(params.count(m) != 1 for m in markers):
                 raise ValueError("each value must reach the SQL as exactly one parameter")
+            slots = tuple(params.index(m) for m in markers)
             cache[using] = _Compiled(compiler, sql, tuple(params), slots)
         return cache[using]
