@@ -1,0 +1,740 @@
+"""Bounds on tenants' GBNF grammars and JSON schemas, checked before llama.cpp sees them.
+
+llama.cpp's grammar parser (``src/llama-grammar.cpp``) is recursive descent on the native
+stack, trusts its input and expands repetitions eagerly, so a small hostile grammar can
+kill the process that parses it (SIGSEGV on deep nesting, memory exhaustion on
+``x{5,3}``) or stall it (exponential work while building the initial parse stacks). This
+module re-implements that parser's syntax in pure Python, iteratively (no recursion, so it
+cannot hit Python's recursion limit either) and in time linear in its bounded output, and
+accepts a grammar only when it can show that llama.cpp parses it, with every count that
+drives llama.cpp's work below a limit:
+
+* the text is valid Unicode (no lone surrogates) without NUL, at most
+  ``MAX_GRAMMAR_BYTES`` bytes of UTF-8;
+* groups ``( ... )`` nest at most ``MAX_NESTING`` deep (llama.cpp recurses once per level);
+* repetition counts ``{m,n}`` are at most ``MAX_REPETITION`` with m <= n (llama.cpp's own
+  cap, 2000, turns a larger n into "unbounded" and m > n into an endless loop), and the
+  expansion llama.cpp performs (``x{m,n}`` becomes m copies of x and n-m generated rules)
+  stays under ``MAX_ELEMENTS`` grammar elements and ``MAX_RULES`` rules;
+* every rule used is defined, a ``root`` rule exists, token references are numeric
+  (``<[id]>``; ``<name>`` needs the model's vocabulary, which the web does not have);
+* no rule is left-recursive, with emptiness followed through other rules (llama.cpp
+  rejects direct left recursion but misses it through a rule that is only nullable
+  indirectly, and then loops until memory runs out);
+* llama.cpp's left-recursion scan (a depth-first walk without memoisation: exponential on
+  some grammars) does at most ``MAX_LEFT_SCAN_WORK`` steps, and the parse stacks that one
+  step of matching can fan out into (what ``llama_sampler_init_grammar`` builds for
+  ``root``, and what each sampled character rebuilds) number at most ``MAX_STACKS``.
+
+Everything llama.cpp's parser rejects is rejected here as well (its error path prints the
+grammar text to stderr, outside the daemon's log sink), so a grammar only reaches
+llama.cpp when it parses there.
+
+JSON schemas are bounded before ``json_schema_to_gbnf`` runs (that converter turns
+``maxLength: n`` into n nested groups and ``minItems: n`` into n copies): nesting depth,
+serialized size, node and property counts, the repetition keywords and pattern
+quantifiers, and the magnitude of numeric bounds. The GBNF it produces goes through
+``check_grammar`` as well (``engine.grammar_for``).
+
+Measured on llama-cpp-python 0.3.36 (its vendored llama.cpp), Gemma 3 270M vocabulary,
+``llama_sampler_init_grammar`` in a throwaway subprocess (``scripts`` in the issue-12
+report; numbers for an 8 MiB stack, the default main-thread and pthread stack here):
+
+* MEASUREMENTS_PLACEHOLDER
+
+This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidParameter
+
+# -- limits (see the measurements above) --------------------------------------------------
+
+MAX_GRAMMAR_BYTES = 128 * 1024
+MAX_NESTING = 256
+MAX_REPETITION = 1000
+MAX_RULES = 4096
+MAX_ELEMENTS = 200_000
+MAX_STACKS = 1024
+MAX_LEFT_SCAN_WORK = 1_000_000
+MAX_TOKEN_ID = 2**31 - 1
+
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_NODES = 10_000
+MAX_SCHEMA_PROPERTIES = 128
+MAX_SCHEMA_COUNT = 1000  # minLength/minItems/... and a pattern's {m}: copies in the grammar
+MAX_SCHEMA_OPTIONAL = 200  # max - min (maxLength alone, {m,n}): nested groups in the grammar
+MAX_SCHEMA_NUMBER = 10**18  # |minimum|, |maximum|, ...: at most 18 digits
+MAX_PATTERN_NESTING = 32
+
+# llama.cpp's own cap on repetition counts and on their products (MAX_REPETITION_THRESHOLD).
+_LLAMA_REPETITION_THRESHOLD = 2000
+# Saturation for the fan-out counts (they can grow exponentially with the rule count).
+_CAP = 1 << 62
+
+_SPACE = re.compile(r"(?:[ \t]|#[^\r\n\x00]*)*")
+_SPACE_NL = re.compile(r"(?:[ \t\r\n]|#[^\r\n\x00]*)*")
+_NAME = re.compile(r"[a-zA-Z0-9-]+")
+_DIGITS = re.compile(r"[0-9]+")
+_LITERAL_RUN = re.compile(r'[^"\\\x00]+')
+_HEX = frozenset("0123456789abcdefABCDEF")
+_SIMPLE_ESCAPES = frozenset('trn\\"[]-')
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_DIGIT_SET = frozenset("0123456789")
+_WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
+
+
+def _unicode_error(text: str, what: str) -> str | None:
+    """Why ``text`` cannot go to C as UTF-8 (None: it can); ``what`` starts the message."""
+    if "\x00" in text:
+        return f"{what}contains a NUL character (position {text.index(chr(0))})"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{what}is not valid Unicode (lone surrogate at position {exc.start})"
+    return None
+
+
+# -- GBNF -----------------------------------------------------------------------------------
+
+
+class _Frame:
+    """One ``parse_alternates`` in progress: a rule body or a parenthesised group."""
+
+    __slots__ = ("alts", "cur", "last", "n_prev", "n_before", "nested", "rule_id")
+
+    def __init__(self, rule_id: int, nested: bool, n_before: int) -> None:
+        self.rule_id = rule_id
+        self.nested = nested
+        self.n_before = n_before
+        self.alts: list[list[int]] = []
+        self.cur: list[int] = []
+        self.last = 0  # llama.cpp's last_sym_start, as an index into cur
+        self.n_prev = 1  # llama.cpp's n_prev_rules
+
+
+class _GrammarError(Exception):
+    def __init__(self, message: str, pos: int | None = None) -> None:
+        super().__init__(message)
+        self.pos = pos
+
+
+class _Parser:
+    """llama.cpp's GBNF grammar, parsed the way ``llama_grammar_parser::parse`` does.
+
+    Rules are kept the way llama.cpp expands them: ``rules[id]`` is a list of alternatives,
+    each a list of items; an item >= 0 references rule ``id``, an item < 0 is a run of
+    -item terminal elements (a character, a character class, a token, ``.``; a literal
+    string is one run per string: only its first character matters to the analyses).
+    """
+
+    def __init__(self, text: str) -> None:
+        self.src = text + "\x00"  # C's terminator: every lookahead below is in range
+        self.symbols: dict[str, int] = {}
+        self.names: list[str] = []  # rule id -> the user rule it belongs to
+        self.rules: list[list[list[int]] | None] = []
+        self.elements = 0
+
+    # symbols (llama_grammar_parser::get_symbol_id / generate_symbol_id)
+
+    def _new_symbol(self, name: str) -> int:
+        if len(self.names) >= MAX_RULES:
+            raise _GrammarError(f"more than {MAX_RULES} rules (counting generated ones)")
+        self.names.append(name)
+        self.rules.append(None)
+        return len(self.names) - 1
+
+    def symbol(self, name: str) -> int:
+        rid = self.symbols.get(name)
+        if rid is None:
+            rid = self.symbols[name] = self._new_symbol(name)
+        return rid
+
+    def _add_elements(self, n: int) -> None:
+        self.elements += n
+        if self.elements > MAX_ELEMENTS:
+            raise _GrammarError(
+                f"expands to more than {MAX_ELEMENTS} grammar elements "
+                "(repetitions are expanded into copies)"
+            )
+
+    # lexing
+
+    def space(self, pos: int, newline_ok: bool) -> int:
+        return (_SPACE_NL if newline_ok else _SPACE).match(self.src, pos).end()
+
+    def char(self, pos: int) -> int:
+        """End of one character (``parse_char``)."""
+        src = self.src
+        c = src[pos]
+        if c == "\\":
+            e = src[pos + 1]
+            if e in _HEX_ESCAPES:
+                size = _HEX_ESCAPES[e]
+                digits = src[pos + 2 : pos + 2 + size]
+                if len(digits) != size or not all(d in _HEX for d in digits):
+                    raise _GrammarError(f"expecting {size} hex digits after \\{e}", pos)
+                return pos + 2 + size
+            if e in _SIMPLE_ESCAPES:
+                return pos + 2
+            raise _GrammarError("unknown escape", pos)
+        if c == "\x00":
+            raise _GrammarError("unexpected end of input", pos)
+        return pos + 1
+
+    # parsing
+
+    def parse(self) -> None:
+        src = self.src
+        pos = self.space(0, True)
+        while src[pos] != "\x00":
+            pos = self.rule(pos)
+        if not any(r is not None for r in self.rules):
+            raise _GrammarError("has no rules")
+        for name, rid in self.symbols.items():
+            if self.rules[rid] is None:
+                raise _GrammarError(f"rule '{_short(name)}' is used but not defined")
+        if "root" not in self.symbols:
+            raise _GrammarError("has no 'root' rule")
+
+    def rule(self, pos: int) -> int:
+        src = self.src
+        m = _NAME.match(src, pos)
+        if m is None:
+            raise _GrammarError("expecting a rule name", pos)
+        name = m.group()
+        rule_id = self.symbol(name)
+        pos = self.space(m.end(), False)
+        if not src.startswith("::=", pos):
+            raise _GrammarError("expecting ::=", pos)
+        pos = self.space(pos + 3, True)
+        pos = self.alternates(pos, name, rule_id)
+        c = src[pos]
+        if c == "\r":
+            pos += 2 if src[pos + 1] == "\n" else 1
+        elif c == "\n":
+            pos += 1
+        elif c != "\x00":
+            raise _GrammarError("expecting newline or end", pos)
+        return self.space(pos, True)
+
+    def alternates(self, pos: int, name: str, rule_id: int) -> int:
+        """A rule's body, groups included, with an explicit stack of open groups."""
+        src = self.src
+        frames = [_Frame(rule_id, False, 0)]
+        while True:
+            f = frames[-1]
+            c = src[pos]
+            if c == '"':
+                pos += 1
+                n = 0
+                while src[pos] != '"':
+                    m = _LITERAL_RUN.match(src, pos)
+                    if m is not None:
+                        n += m.end() - pos
+                        pos = m.end()
+                    else:
+                        pos = self.char(pos)
+                        n += 1
+                f.last = len(f.cur)
+                f.n_prev = 1
+                if n:
+                    self._add_elements(n)
+                    f.cur.append(-n)
+                pos = self.space(pos + 1, f.nested)
+            elif c == "[":
+                pos += 1
+                if src[pos] == "^":
+                    pos += 1
+                n = 0
+                while src[pos] != "]":
+                    pos = self.char(pos)
+                    n += 1
+                    if src[pos] == "-" and src[pos + 1] != "]":
+                        if src[pos + 1] == "\x00":
+                            raise _GrammarError("unexpected end of input", pos)
+                        pos = self.char(pos + 1)
+                        n += 1
+                f.last = len(f.cur)
+                f.n_prev = 1
+                if n:
+                    self._add_elements(n)
+                    f.cur.append(-n)
+                pos = self.space(pos + 1, f.nested)
+            elif c == "<" or c == "!":
+                pos = self.token(pos + 1 if c == "!" else pos)
+                f.last = len(f.cur)
+                f.n_prev = 1
+                self._add_elements(1)
+                f.cur.append(-1)
+                pos = self.space(pos, f.nested)
+            elif c in _WORD:
+                m = _NAME.match(src, pos)
+                ref = self.symbol(m.group())
+                pos = self.space(m.end(), f.nested)
+                f.last = len(f.cur)
+                f.n_prev = 1
+                self._add_elements(1)
+                f.cur.append(ref)
+            elif c == "(":
+                if len(frames) > MAX_NESTING:
+                    raise _GrammarError(f"nesting deeper than {MAX_NESTING} levels", pos)
+                pos = self.space(pos + 1, True)
+                n_before = len(self.names)
+                frames.append(_Frame(self._new_symbol(name), True, n_before))
+            elif c == ".":
+                f.last = len(f.cur)
+                f.n_prev = 1
+                self._add_elements(1)
+                f.cur.append(-1)
+                pos = self.space(pos + 1, f.nested)
+            elif c == "*" or c == "+" or c == "?":
+                at = pos
+                pos = self.space(pos + 1, f.nested)
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+                self.repeat(f, name, lo, hi, at)
+            elif c == "{":
+                at = pos
+                pos = self.space(pos + 1, f.nested)
+                lo, pos = self.count(pos)
+                pos = self.space(pos, f.nested)
+                if src[pos] == "}":
+                    hi: int | None = lo
+                    pos = self.space(pos + 1, f.nested)
+                elif src[pos] == ",":
+                    pos = self.space(pos + 1, f.nested)
+                    hi = None
+                    if src[pos] in _DIGIT_SET:
+                        hi, pos = self.count(pos)
+                        pos = self.space(pos, f.nested)
+                    if src[pos] != "}":
+                        raise _GrammarError("expecting '}'", pos)
+                    pos = self.space(pos + 1, f.nested)
+                else:
+                    raise _GrammarError("expecting ',' or '}'", pos)
+                if hi is not None and lo > hi:
+                    raise _GrammarError(f"repetition {{{lo},{hi}}}: minimum above maximum", at)
+                self.repeat(f, name, lo, hi, at)
+            else:
+                # end of a sequence (parse_sequence returns), then of the alternates
+                if c == "|":
+                    f.alts.append(f.cur)
+                    f.cur, f.last, f.n_prev = [], 0, 1
+                    self._add_elements(1)
+                    pos = self.space(pos + 1, True)
+                    continue
+                f.alts.append(f.cur)
+                self._add_elements(1)
+                self.rules[f.rule_id] = f.alts
+                if not f.nested:
+                    return pos
+                if c != ")":
+                    raise _GrammarError("expecting ')'", pos)
+                frames.pop()
+                p = frames[-1]
+                p.n_prev = max(1, len(self.names) - f.n_before)
+                p.last = len(p.cur)
+                self._add_elements(1)
+                p.cur.append(f.rule_id)
+                pos = self.space(pos + 1, p.nested)
+
+    def token(self, pos: int) -> int:
+        """``<[id]>`` (``parse_token``); ``<name>`` needs the vocabulary: refused."""
+        src = self.src
+        if src[pos] != "<":
+            raise _GrammarError("expecting '<'", pos)
+        if src[pos + 1] != "[":
+            raise _GrammarError("token names (<name>) are not supported here; use <[id]>", pos)
+        m = _DIGITS.match(src, pos + 2)
+        if m is None:
+            raise _GrammarError("expecting a token id", pos)
+        if m.end() - m.start() > 10 or int(m.group()) > MAX_TOKEN_ID:
+            raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
+        end = m.end()
+        if src[end] != "]" or src[end + 1] != ">":
+            raise _GrammarError("expecting ']>'", end)
+        return end + 2
+
+    def count(self, pos: int) -> tuple[int, int]:
+        m = _DIGITS.match(self.src, pos)
+        if m is None:
+            raise _GrammarError("expecting an integer", pos)
+        if m.end() - pos > 6 or int(m.group()) > MAX_REPETITION:
+            raise _GrammarError(f"repetition count above {MAX_REPETITION}", pos)
+        return int(m.group()), m.end()
+
+    def repeat(self, f: _Frame, name: str, lo: int, hi: int | None, at: int) -> None:
+        """``handle_repetitions``: x{lo,hi} becomes lo copies of x and hi-lo new rules."""
+        if f.last == len(f.cur):
+            raise _GrammarError("expecting an item before */+/?/{", at)
+        prev = f.cur[f.last :]
+        total = hi if hi is not None and hi > 0 else (lo if lo > 0 else 1)
+        if f.n_prev * total > min(MAX_REPETITION, _LLAMA_REPETITION_THRESHOLD):
+            raise _GrammarError(
+                f"nested repetitions multiply to more than {MAX_REPETITION} copies", at
+            )
+        weight = sum(-i if i < 0 else 1 for i in prev)
+        n_opt = 1 if hi is None else hi - lo
+        if len(self.names) + n_opt > MAX_RULES:
+            raise _GrammarError(f"more than {MAX_RULES} rules (counting generated ones)", at)
+        self._add_elements(max(lo - 1, 0) * weight + n_opt * (weight + 3) + 1)
+        if lo == 0:
+            del f.cur[f.last :]
+        else:
+            for _ in range(lo - 1):
+                f.cur.extend(prev)
+        last_rec = 0
+        for i in range(n_opt):
+            rec_id = self._new_symbol(name)
+            alt = list(prev)
+            if hi is None:
+                alt.append(rec_id)
+            elif i > 0:
+                alt.append(last_rec)
+            self.rules[rec_id] = [alt, []]
+            last_rec = rec_id
+        if n_opt > 0:
+            f.cur.append(last_rec)
+        f.n_prev *= total
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 40 else name[:40] + "..."
+
+
+def _analyse(p: _Parser) -> None:
+    """What llama.cpp does after parsing: left-recursion scan, then the initial stacks."""
+    rules: list[list[list[int]]] = p.rules  # type: ignore[assignment]  # all defined now
+    n = len(rules)
+
+    # Nullable rules (a rule that can match the empty string), by the linear worklist.
+    nullable = [False] * n
+    remaining: list[int] = []  # per alternative: references not yet known nullable
+    owner: list[int] = []
+    users: list[list[int]] = [[] for _ in range(n)]  # rule -> alternatives that use it
+    work: list[int] = []
+    for rid, alts in enumerate(rules):
+        for alt in alts:
+            a = len(remaining)
+            owner.append(rid)
+            if any(i < 0 for i in alt):
+                remaining.append(-1)
+                continue
+            remaining.append(len(alt))
+            for i in alt:
+                users[i].append(a)
+            if not alt and not nullable[rid]:
+                nullable[rid] = True
+                work.append(rid)
+    while work:
+        rid = work.pop()
+        for a in users[rid]:
+            remaining[a] -= 1
+            if remaining[a] == 0 and not nullable[owner[a]]:
+                nullable[owner[a]] = True
+                work.append(owner[a])
+
+    # The left-corner graph: A -> B when B can come first in A (after nullable items).
+    edges: list[list[int]] = [[] for _ in range(n)]
+    for rid, alts in enumerate(rules):
+        for alt in alts:
+            for i in alt:
+                if i < 0:
+                    break
+                edges[rid].append(i)
+                if not nullable[i]:
+                    break
+
+    # Iterative depth-first search: a cycle is left recursion; post-order for the counts.
+    state = [0] * n  # 0 new, 1 on the path, 2 done
+    order: list[int] = []
+    for start in range(n):
+        if state[start]:
+            continue
+        state[start] = 1
+        path = [(start, 0)]
+        while path:
+            rid, k = path[-1]
+            if k < len(edges[rid]):
+                path[-1] = (rid, k + 1)
+                nxt = edges[rid][k]
+                if state[nxt] == 1:
+                    raise _GrammarError(
+                        f"rule '{_short(p.names[nxt])}' is left-recursive "
+                        "(it can start with itself)"
+                    )
+                if state[nxt] == 0:
+                    state[nxt] = 1
+                    path.append((nxt, 0))
+            else:
+                path.pop()
+                state[rid] = 2
+                order.append(rid)
+
+    # llama.cpp's left-recursion scan: one walk per unvisited rule, no memo within a walk.
+    size = [sum(sum(-i if i < 0 else 1 for i in alt) + 1 for alt in alts) for alts in rules]
+    scan = [0] * n
+    for rid in order:
+        scan[rid] = min(_CAP, size[rid] + sum(scan[i] for i in edges[rid]))
+    visited = [False] * n
+    total = 0
+    for rid in range(n):
+        if visited[rid]:
+            continue
+        total = min(_CAP, total + scan[rid])
+        if total > MAX_LEFT_SCAN_WORK:
+            raise _GrammarError(
+                f"too ambiguous: llama.cpp's left-recursion scan would take more than "
+                f"{MAX_LEFT_SCAN_WORK} steps"
+            )
+        visited[rid] = True
+        todo = [rid]
+        while todo:
+            for i in edges[todo.pop()]:
+                if not visited[i]:
+                    visited[i] = True
+                    todo.append(i)
+
+    # Parse stacks: advancing from a rule reference pushes one stack per way to reach a
+    # terminal (t) and falls through once per way to match nothing (z).
+    t_rule = [0] * n
+    z_rule = [0] * n
+    for rid in order:
+        t_sum = z_sum = 0
+        for alt in rules[rid]:
+            ways, t = 1, 0
+            for i in alt:
+                if i < 0:
+                    t, ways = t + ways, 0
+                    break
+                t = min(_CAP, t + ways * (1 + t_rule[i]))
+                ways = min(_CAP, ways * z_rule[i])
+                if not ways:
+                    break
+            t_sum = min(_CAP, t_sum + t)
+            z_sum = min(_CAP, z_sum + ways)
+        t_rule[rid], z_rule[rid] = t_sum, z_sum
+    root = p.symbols["root"]
+    worst, where = t_rule[root] + z_rule[root], root
+    # ... and from any position a match can reach (each sampled character advances one)
+    for rid, alts in enumerate(rules):
+        for alt in alts:
+            t_next, z_next = 0, 1
+            for i in reversed(alt):
+                if i < 0:
+                    t_next, z_next = 1, 0
+                else:
+                    t_next = min(_CAP, 1 + t_rule[i] + z_rule[i] * t_next)
+                    z_next = min(_CAP, z_rule[i] * z_next)
+                if t_next > worst:
+                    worst, where = t_next, rid
+    if worst > MAX_STACKS:
+        raise _GrammarError(
+            f"too ambiguous: rule '{_short(p.names[where])}' fans out into more than "
+            f"{MAX_STACKS} parse stacks"
+        )
+
+
+def check_grammar(text: Any, field: str = "grammar") -> str:
+    """``text`` if llama.cpp can parse it safely; raise ``InvalidParameter(field, ...)``."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidParameter(field, "must be a non-empty GBNF grammar string")
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise InvalidParameter(field, f"longer than {MAX_GRAMMAR_BYTES} bytes")
+    problem = _unicode_error(text, "text ")
+    if problem:
+        raise InvalidParameter(field, problem)
+    if len(text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        raise InvalidParameter(field, f"longer than {MAX_GRAMMAR_BYTES} bytes")
+    parser = _Parser(text)
+    try:
+        parser.parse()
+        _analyse(parser)
+    except _GrammarError as exc:
+        message = str(exc)
+        if exc.pos is not None:
+            line = text.count("\n", 0, exc.pos) + 1
+            column = exc.pos - (text.rfind("\n", 0, exc.pos) + 1) + 1
+            message += f" (line {line}, column {column})"
+        raise InvalidParameter(field, message) from None
+    return text
+
+
+def grammar_stats(text: str) -> dict[str, int]:
+    """Counts for an accepted grammar (rules and elements after expansion): for tests."""
+    check_grammar(text)
+    parser = _Parser(text)
+    parser.parse()
+    return {"rules": len(parser.names), "elements": parser.elements}
+
+
+# -- JSON schema ----------------------------------------------------------------------------
+
+# keyword -> its counterpart: max - min nested groups, min copies (json_schema_to_gbnf)
+_COUNT_PAIRS = {
+    "minLength": "maxLength",
+    "minItems": "maxItems",
+    "minProperties": "maxProperties",
+    "minContains": "maxContains",
+}
+_COUNT_KEYWORDS = frozenset(_COUNT_PAIRS) | frozenset(_COUNT_PAIRS.values())
+_NUMBER_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+)
+# keywords whose value maps names to schemas, and those whose value is plain data
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
+_SCHEMA, _MAP, _DATA = 0, 1, 2
+_QUANTIFIER = re.compile(r"\{\s*([0-9]*)\s*(,\s*([0-9]*)\s*)?\}")
+
+
+def _check_pattern(field: str, pattern: str) -> None:
+    """Group nesting and {m,n} counts of a regex that the converter turns into GBNF."""
+    depth = 0
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            if depth > MAX_PATTERN_NESTING:
+                raise InvalidParameter(
+                    field, f"pattern: groups nested deeper than {MAX_PATTERN_NESTING} levels"
+                )
+        elif c == ")":
+            depth -= 1
+        elif c == "{":
+            m = _QUANTIFIER.match(pattern, i)
+            if m is not None:
+                lo = _pattern_count(field, m.group(1)) or 0
+                hi = lo if m.group(2) is None else _pattern_count(field, m.group(3))
+                if hi is not None and lo > hi:
+                    raise InvalidParameter(field, f"pattern: quantifier {m.group()} has min > max")
+                if hi is not None and hi - lo > MAX_SCHEMA_OPTIONAL:
+                    raise InvalidParameter(
+                        field,
+                        f"pattern: quantifier {m.group()} allows more than "
+                        f"{MAX_SCHEMA_OPTIONAL} optional repetitions",
+                    )
+                i = m.end()
+                continue
+        i += 1
+
+
+def _pattern_count(field: str, digits: str) -> int | None:
+    """A quantifier's count (None: absent, as in {2,})."""
+    if not digits:
+        return None
+    if len(digits) > 6 or int(digits) > MAX_SCHEMA_COUNT:
+        raise InvalidParameter(field, f"pattern: quantifier count above {MAX_SCHEMA_COUNT}")
+    return int(digits)
+
+
+def _check_counts(field: str, schema: Mapping[str, Any]) -> None:
+    for key in _COUNT_KEYWORDS & schema.keys():
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidParameter(field, f"{key} must be a non-negative integer")
+        if value > MAX_SCHEMA_COUNT:
+            raise InvalidParameter(field, f"{key} above {MAX_SCHEMA_COUNT}")
+    for low_key, high_key in _COUNT_PAIRS.items():
+        low, high = schema.get(low_key, 0), schema.get(high_key)
+        if high is None:
+            continue
+        if low > high:
+            raise InvalidParameter(field, f"{low_key} is greater than {high_key}")
+        if high - low > MAX_SCHEMA_OPTIONAL:
+            raise InvalidParameter(
+                field, f"{high_key} - {low_key} above {MAX_SCHEMA_OPTIONAL} "
+                "(each optional repetition nests a group in the grammar)"
+            )
+    for key in _NUMBER_KEYWORDS & schema.keys():
+        value = schema[key]
+        if isinstance(value, bool) and key.startswith("exclusive"):
+            continue  # draft 4's boolean form
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidParameter(field, f"{key} must be a number")
+        if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_SCHEMA_NUMBER:
+            raise InvalidParameter(field, f"{key} must be a finite number of at most 18 digits")
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise InvalidParameter(field, "pattern must be a string")
+        _check_pattern(field, pattern)
+    properties = schema.get("properties")
+    if isinstance(properties, Mapping) and len(properties) > MAX_SCHEMA_PROPERTIES:
+        raise InvalidParameter(
+            field, f"an object schema with more than {MAX_SCHEMA_PROPERTIES} properties"
+        )
+
+
+def check_json_schema(schema: Any, field: str = "json_schema") -> str:
+    """The schema as canonical JSON text (sorted keys) if it is within bounds; raise
+    ``InvalidParameter(field, ...)`` otherwise. Walks the value iteratively."""
+    if not isinstance(schema, Mapping):
+        raise InvalidParameter(field, "must be a JSON object (a JSON Schema)")
+    nodes = 0
+    todo: list[tuple[Any, int, int]] = [(schema, 1, _SCHEMA)]
+    while todo:
+        node, depth, kind = todo.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise InvalidParameter(field, f"more than {MAX_SCHEMA_NODES} values")
+        if isinstance(node, str):
+            problem = _unicode_error(node, "a string ")
+            if problem:
+                raise InvalidParameter(field, problem)
+            continue
+        if isinstance(node, (bool, int)) or node is None:
+            continue
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                raise InvalidParameter(field, "numbers must be finite")
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidParameter(field, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, Mapping):
+            if kind == _SCHEMA:
+                _check_counts(field, node)
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise InvalidParameter(field, "object keys must be strings")
+                problem = _unicode_error(key, "a key ")
+                if problem:
+                    raise InvalidParameter(field, problem)
+                if kind == _DATA:
+                    child = _DATA
+                elif kind == _MAP:
+                    child = _SCHEMA
+                elif key in _SCHEMA_MAPS:
+                    child = _MAP
+                elif key in _DATA_KEYWORDS:
+                    child = _DATA
+                else:
+                    child = _SCHEMA
+                todo.append((value, depth + 1, child))
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                todo.append((value, depth + 1, kind))
+        else:
+            raise InvalidParameter(field, f"holds a {type(node).__name__}, not JSON")
+    text = json.dumps(schema, sort_keys=True)
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise InvalidParameter(field, f"longer than {MAX_SCHEMA_BYTES} bytes as JSON")
+    return text
