@@ -30,7 +30,8 @@ class TenantAdmin(admin.ModelAdmin):
     fieldsets = [
         (None, {"fields": ["name", "slug", "is_active"]}),
         ("Limits (empty = unlimited)", {"fields": [
-            "requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget"]}),
+            "requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget",
+            "max_queued"]}),
     ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:

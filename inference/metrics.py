@@ -34,6 +34,7 @@ CACHE_TIERS = ("slot", "cross_slot", "ram")
 DAEMON_REFUSALS = {
     "refused_queue_full": "queue_full",
     "refused_context_length": "context_length_exceeded",
+    "refused_tenant_queue_full": "tenant_queue_full",
 }
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -113,6 +114,18 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
     refused = CounterMetricFamily(
         "llm_daemon_refusals", "Requests a daemon refused, by code.", labels=[*labels, "code"]
     )
+    rejected = CounterMetricFamily(
+        "llm_rejected_jobs",
+        "Jobs a daemon answered with an error before starting them, by reason (a refusal "
+        "code, malformed, internal_error).",
+        labels=[*labels, "reason"],
+    )
+    request_failures = CounterMetricFamily(
+        "llm_request_failures",
+        "Requests that failed alone in the engine (sampler, grammar, decoding) while the "
+        "others carried on.",
+        labels=labels,
+    )
     kv_pressure = CounterMetricFamily(
         "llm_kv_pressure_events", "llama_decode found the KV cache full.", labels=labels
     )
@@ -144,6 +157,9 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         for counter, code in DAEMON_REFUSALS.items():
             refused.add_metric([*key, code], counters.get(counter, 0))
         kv_pressure.add_metric(key, counters.get("kv_pressure", 0))
+        for reason, count in (snap.get("rejected") or {}).items():
+            rejected.add_metric([*key, str(reason)], count)
+        request_failures.add_metric(key, counters.get("request_failures", 0))
         slot_list = snap.get("slots") or []
         queue.add_metric(key, len(snap.get("queue") or []))
         active.add_metric(key, sum(1 for s in slot_list if s.get("state") != "idle"))
@@ -164,6 +180,8 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         hits,
         hit_tokens,
         refused,
+        rejected,
+        request_failures,
         kv_pressure,
         queue,
         active,

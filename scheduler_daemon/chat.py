@@ -8,6 +8,7 @@ built-in named for the model's architecture (Gemma 3 270M ships no template: ``g
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,6 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InvalidParameter
+from .sampling import require_text
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,12 @@ def parse_messages(messages: Any) -> list[tuple[str, str]]:
 
 
 def _content_text(content: Any, where: str) -> str:
+    """A message's text; it must be valid Unicode (``sampling.require_text``)."""
     if isinstance(content, str):
-        return content
+        return require_text(where, content)
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for i, part in enumerate(content):
             if (
                 not isinstance(part, dict)
                 or part.get("type") != "text"
@@ -65,13 +68,18 @@ def _content_text(content: Any, where: str) -> str:
                 raise InvalidParameter(
                     where, "only text parts ({'type': 'text', 'text': ...}) are supported"
                 )
-            parts.append(part["text"])
+            parts.append(require_text(f"{where}[{i}].text", part["text"]))
         return "".join(parts)
     raise InvalidParameter(where, "must be a string or a list of text parts")
 
 
 class ChatRenderer:
-    """Renders messages for one model, ending with the assistant's turn to speak."""
+    """Renders messages for one model, ending with the assistant's turn to speak.
+
+    ``segments`` keeps the template's own markup apart from what the messages say, so that
+    message content is tokenized as plain text: a user who types the model's turn markers
+    (``<end_of_turn>``) gets those characters, not a forged turn boundary.
+    """
 
     def __init__(self, source: TemplateSource, configured: str = "") -> None:
         self._source = source
@@ -88,7 +96,45 @@ class ChatRenderer:
         log.info("chat template: %s", self.kind)
 
     def render(self, messages: list[tuple[str, str]]) -> str:
-        """Prompt text; the tokenizer adds BOS, so a template's leading BOS is dropped."""
+        """Prompt text (markup and content together)."""
+        return "".join(text for text, _ in self.segments(messages))
+
+    def segments(self, messages: list[tuple[str, str]]) -> list[tuple[str, bool]]:
+        """The prompt as (text, is_content) pieces in order: markup pieces come from the
+        template, content pieces are message text exactly as the template placed it.
+
+        Each content is wrapped in markers made of private-use characters and a fresh random
+        nonce (no client can guess them), rendered, then cut apart at the markers."""
+        nonce = secrets.token_hex(8)
+        opening = f"{_MARK_OPEN}{nonce}{_MARK_END}"
+        closing = f"{_MARK_CLOSE}{nonce}{_MARK_END}"
+        wrapped = [(role, f"{opening}{content}{closing}") for role, content in messages]
+        text = self._render_text(wrapped)
+        pieces: list[tuple[str, bool]] = []
+        rest = text
+        while rest:
+            start = rest.find(opening)
+            if start < 0:
+                break
+            end = rest.find(closing, start + len(opening))
+            if end < 0:
+                raise InvalidParameter("messages", "the chat template mangled message content")
+            if start:
+                pieces.append((rest[:start], False))
+            content = rest[start + len(opening) : end]
+            if opening in content:
+                raise InvalidParameter("messages", "the chat template mangled message content")
+            if content:
+                pieces.append((content, True))
+            rest = rest[end + len(closing) :]
+        if closing in rest:
+            raise InvalidParameter("messages", "the chat template mangled message content")
+        if rest:
+            pieces.append((rest, False))
+        return pieces
+
+    def _render_text(self, messages: list[tuple[str, str]]) -> str:
+        """The template's text; the tokenizer adds BOS, so a template's leading BOS is dropped."""
         if self._jinja is None:
             return self._source.apply_builtin_template(self.builtin, messages)
         bos = self._source.token_text(self._source.bos_token)
@@ -102,6 +148,10 @@ class ChatRenderer:
         except TemplateError as exc:
             raise InvalidParameter("messages", f"the chat template refused them: {exc}") from None
         return text[len(bos) :] if bos and text.startswith(bos) else text
+
+
+# Content markers (Unicode private use area) around each message while the template runs.
+_MARK_OPEN, _MARK_CLOSE, _MARK_END = "\ue000", "\ue001", "\ue002"
 
 
 def _raise(message: str) -> None:

@@ -35,6 +35,9 @@ from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
+MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
+
 
 @dataclass(slots=True)
 class Completion:
@@ -84,8 +87,13 @@ class InferenceCore:
         config: SchedulerConfig,
         chat_template: str = "",
         on_tick: Callable[[TickStats], None] | None = None,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     ) -> None:
+        """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
+        anything renders or tokenizes it."""
         self.engine = engine
+        self.max_prompt_bytes = max_prompt_bytes
+        self._abort_ids: set[str] = set()  # test-only fault hook (FAULT_INJECTION)
         self.chat = ChatRenderer(engine, chat_template)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
         self.listeners: list[Callable[[Event], None]] = []
@@ -122,8 +130,18 @@ class InferenceCore:
             cache_prompt=get("CACHE_PROMPT"),
             ram_cache_bytes=get("PROMPT_CACHE_RAM_MB") * 2**20,
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
+            kv_scope_share=get("KV_TENANT_SHARE"),
+            max_queue_per_scope=get("MAX_QUEUE_PER_TENANT"),
         )
-        return cls(engine, config, chat_template=get("CHAT_TEMPLATE") or "")
+        max_prompt_bytes = overrides.get(
+            "max_prompt_bytes", getattr(settings, "MAX_PROMPT_BYTES", DEFAULT_MAX_PROMPT_BYTES)
+        )
+        return cls(
+            engine,
+            config,
+            chat_template=get("CHAT_TEMPLATE") or "",
+            max_prompt_bytes=max_prompt_bytes,
+        )
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -146,15 +164,29 @@ class InferenceCore:
             self._thread.join()
 
     def _loop(self) -> None:
+        """Tick until stopped. A tick that raises fails the requests of its batch, not every
+        request; only ticks that keep failing with no request to blame (the engine itself is
+        unusable) fail everything in flight."""
+        failures = 0
         while not self._stop.is_set():
             try:
+                if self._abort_ids and self._abort_ids & self.scheduler.running_ids():
+                    log.critical("fault injection: aborting the process")
+                    os.abort()
                 if self.scheduler.has_work():
                     self.scheduler.step()
                 else:
                     self.scheduler.wait_for_work(0.25)
-            except Exception:
-                log.exception("scheduler tick failed; failing the requests in flight")
-                self.scheduler.fail_all()
+                failures = 0
+            except Exception as exc:
+                self.scheduler.counters["tick_failures"] += 1
+                blamed = self.scheduler.fail_tick(exc)
+                log.exception("scheduler tick failed; failed the %d requests of its batch", blamed)
+                failures = 0 if blamed else failures + 1
+                if failures >= MAX_BLAMELESS_TICK_FAILURES:
+                    log.error("the engine looks unusable; failing every request in flight")
+                    self.scheduler.fail_all()
+                    failures = 0
 
     # -- requests -----------------------------------------------------------------
 
@@ -167,10 +199,13 @@ class InferenceCore:
         cache_scope: str = "",
         session: str | None = None,
         cache_prompt: bool | None = None,
+        max_queued: int | None = None,
     ) -> RequestHandle:
-        """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``)."""
+        """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``).
+        ``max_queued``: this scope's cap on waiting requests (None: the configured one)."""
         arrival = time.monotonic()
         self.scheduler.check_capacity()
+        self.scheduler.check_scope_capacity(cache_scope, max_queued)
         tokens = self.prompt_tokens(prompt, messages)
         request = Request(
             id=request_id or uuid.uuid4().hex,
@@ -180,6 +215,7 @@ class InferenceCore:
             session=session,
             cache_prompt=cache_prompt,
             arrival=arrival,
+            max_queued=max_queued,
         )
         handle = RequestHandle(request.id, self)
         handle.prompt_tokens = len(tokens)
@@ -200,15 +236,29 @@ class InferenceCore:
         if (prompt is None) == (messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if messages is not None:
-            text = self.chat.render(parse_messages(messages))
-            return self._tokenize(text, "messages")
+            parsed = parse_messages(messages)
+            self._check_size(sum(_utf8_len(c, "messages") for _, c in parsed), "messages")
+            return self.engine.tokenize_segments(self.chat.segments(parsed))
         if isinstance(prompt, str):
+            self._check_size(_utf8_len(prompt, "prompt"), "prompt")
             return self._tokenize(prompt, "prompt") if prompt else []
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             if any(not 0 <= t < self.engine.n_vocab for t in prompt):
                 raise InvalidParameter("prompt", "token ids must be within the vocabulary")
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
+
+    def _check_size(self, n_bytes: int, field: str) -> None:
+        if n_bytes > self.max_prompt_bytes:
+            raise InvalidParameter(
+                field, f"the prompt text is {n_bytes} bytes, more than the limit of "
+                f"{self.max_prompt_bytes} (MAX_PROMPT_BYTES)"
+            )
+
+    def abort_process_when_running(self, request_id: str) -> None:
+        """Test-only fault hook: abort the whole process once this request is in a slot."""
+        self._abort_ids.add(request_id)
+        self.scheduler.wake()
 
     def _tokenize(self, text: str, field: str) -> list[int]:
         try:
@@ -236,3 +286,10 @@ class InferenceCore:
             handle._events.put(event)
         for listener in self.listeners:
             listener(event)
+
+
+def _utf8_len(text: str, field: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidParameter(field, "is not valid UTF-8 text (a lone surrogate?)") from None

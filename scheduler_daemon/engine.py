@@ -18,7 +18,14 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
+from .engine_api import (
+    DECODE_ABORTED,
+    DECODE_KV_FULL,
+    DECODE_OK,
+    BatchRow,
+    GrammarEnded,
+    RowFailed,
+)
 from .errors import InvalidParameter
 from .sampling import SamplingParams
 
@@ -36,6 +43,9 @@ _LEVELS = {
 }
 
 
+MAX_LOG_LINE_CHARS = 500
+
+
 class _LlamaLogSink:
     """Collects llama.cpp's log fragments into lines for Python logging."""
 
@@ -50,7 +60,9 @@ class _LlamaLogSink:
         while "\n" in self.pending:
             line, self.pending = self.pending.split("\n", 1)
             if line.strip() and llama_log.isEnabledFor(self.level):
-                llama_log.log(self.level, line)
+                # repr: a line may quote client text (a grammar): escaped and quoted, it can
+                # never pass for another log line (a forged request_end JSON line)
+                llama_log.log(self.level, "%r", line[:MAX_LOG_LINE_CHARS])
 
 
 # Module globals on purpose: C keeps this pointer for the life of the process, and a
@@ -196,17 +208,38 @@ class LlamaEngine:
 
     # -- tokens -------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Text to token ids; special-token text (e.g. ``<start_of_turn>``) is parsed."""
-        data = text.encode("utf-8")
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Text to token ids. ``parse_special``: special-token text (``<start_of_turn>``)
+        becomes that control token; off, it is tokenized as the characters it is.
+        Raises ``InvalidParameter`` for text that is not valid Unicode (a lone surrogate)."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidParameter("prompt", "is not valid UTF-8 text") from None
         capacity = len(data) + 8
         buf = (lc.llama_token * capacity)()
-        n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, True)
+        n = lc.llama_tokenize(
+            self._vocab, data, len(data), buf, capacity, add_special, parse_special
+        )
         if n < 0:
             capacity = -n
             buf = (lc.llama_token * capacity)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, True)
+            n = lc.llama_tokenize(
+                self._vocab, data, len(data), buf, capacity, add_special, parse_special
+            )
         return list(buf[:n])
+
+    def tokenize_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """A chat prompt's (text, is_content) pieces: the template's markup with special
+        tokens parsed, message content as plain text; BOS once, at the start."""
+        tokens: list[int] = []
+        for i, (text, is_content) in enumerate(segments):
+            tokens += self.tokenize(text, add_special=i == 0, parse_special=not is_content)
+        if not segments:
+            tokens = self.tokenize("", add_special=True)
+        return tokens
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token stands for (control tokens render as nothing)."""
@@ -340,7 +373,10 @@ class LlamaEngine:
     def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
         """Render (role, content) pairs with a llama.cpp built-in template, ending with the
         assistant's turn."""
-        encoded = [(r.encode(), c.encode()) for r, c in messages]
+        try:
+            encoded = [(r.encode(), c.encode()) for r, c in messages]
+        except UnicodeEncodeError:
+            raise InvalidParameter("messages", "content is not valid UTF-8 text") from None
         chat = (lc.llama_chat_message * len(encoded))(
             *(lc.llama_chat_message(role=r, content=c) for r, c in encoded)
         )
@@ -380,21 +416,33 @@ class LlamaEngine:
         return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
 
 
+class SamplingFailed(EngineError, RowFailed):
+    """This request's sampler could not pick a token (its grammar allows none)."""
+
+
 class LlamaSampler:
     """A request's own sampler chain (its RNG, penalties and grammar belong to it alone).
 
     Greedy requests without penalties or grammar take a numpy argmax over the logits row:
     ``llama_sampler_sample`` copies all 262k candidates per token, argmax does not.
+
+    With a grammar the chain is cut in two: the constraints (penalties, grammar), then a
+    check in numpy that the grammar left a token to pick, then the pick (bias, top-k...,
+    dist). llama.cpp aborts the process when a grammar is made to accept a token it did not
+    allow (an end-of-generation token while rules are open, any token once it is complete),
+    so a token is only ever picked among those the grammar left finite.
     """
 
     def __init__(self, engine: LlamaEngine, params: SamplingParams) -> None:
         self._engine = engine
         self._chain = None
+        self._constraints = None
         self.seed = params.seed if params.seed is not None else random.getrandbits(32) % (2**32 - 1)
         bias = dict(params.logit_bias)
         for token in bias:
             if token >= engine.n_vocab:
                 raise InvalidParameter("logit_bias", f"token id {token} is outside the vocabulary")
+        self._ignore_eos = params.ignore_eos
         if params.ignore_eos:
             bias.update((int(t), float("-inf")) for t in engine.eog_tokens)
         self._bias_ids = np.array(list(bias), np.int64)
@@ -402,56 +450,57 @@ class LlamaSampler:
         grammar = engine.grammar_for(params)
         if params.is_greedy and not params.uses_penalties and grammar is None:
             return
-        self._chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         try:
-            self._build_chain(params, bias, grammar)
+            if grammar is not None:
+                self._constraints = _new_chain()
+                self._build_constraints(params, grammar)
+                self._chain = _new_chain()
+                self._build_pick(params, bias)
+            else:
+                self._chain = _new_chain()
+                self._add(self._chain, _bias_sampler(engine.n_vocab, bias))
+                self._add(self._chain, _penalties_sampler(engine.n_vocab, params))
+                self._build_pick(params, {})
         except Exception:
             self.close()
             raise
 
-    def _add(self, sampler: object) -> None:
-        lc.llama_sampler_chain_add(self._chain, sampler)
+    @staticmethod
+    def _add(chain: object, sampler: object) -> None:
+        if sampler is not None:
+            lc.llama_sampler_chain_add(chain, sampler)
 
-    def _build_chain(
-        self, params: SamplingParams, bias: dict[int, float], grammar: tuple[str, str] | None
-    ) -> None:
-        n_vocab = self._engine.n_vocab
-        if bias:
-            entries = (lc.llama_logit_bias * len(bias))(
-                *(lc.llama_logit_bias(token=t, bias=b) for t, b in bias.items())
-            )
-            self._add(lc.llama_sampler_init_logit_bias(n_vocab, len(bias), entries))
-        if params.uses_penalties:
-            self._add(
-                lc.llama_sampler_init_penalties(
-                    n_vocab,
-                    params.penalty_last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                )
-            )
-        if grammar is not None:
-            field, gbnf = grammar
-            sampler = lc.llama_sampler_init_grammar(self._engine._vocab, gbnf.encode(), b"root")
-            if not sampler:
-                raise InvalidParameter(field, "the grammar could not be parsed")
-            self._add(sampler)
+    def _build_constraints(self, params: SamplingParams, grammar: tuple[str, str]) -> None:
+        self._add(self._constraints, _penalties_sampler(self._engine.n_vocab, params))
+        field, gbnf = grammar
+        try:
+            data = gbnf.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidParameter(field, "is not valid UTF-8 text") from None
+        sampler = lc.llama_sampler_init_grammar(self._engine._vocab, data, b"root")
+        if not sampler:
+            raise InvalidParameter(field, "the grammar could not be parsed")
+        self._add(self._constraints, sampler)
+
+    def _build_pick(self, params: SamplingParams, bias: dict[int, float]) -> None:
+        self._add(self._chain, _bias_sampler(self._engine.n_vocab, bias))
         if params.is_greedy:
-            self._add(lc.llama_sampler_init_greedy())
+            self._add(self._chain, lc.llama_sampler_init_greedy())
             return
-        self._add(lc.llama_sampler_init_top_k(params.top_k))
-        self._add(lc.llama_sampler_init_top_p(params.top_p, 1))
-        self._add(lc.llama_sampler_init_min_p(params.min_p, 1))
-        self._add(lc.llama_sampler_init_temp(params.temperature))
-        self._add(lc.llama_sampler_init_dist(self.seed))
+        self._add(self._chain, lc.llama_sampler_init_top_k(params.top_k))
+        self._add(self._chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+        self._add(self._chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+        self._add(self._chain, lc.llama_sampler_init_temp(params.temperature))
+        self._add(self._chain, lc.llama_sampler_init_dist(self.seed))
 
     def sample(self, batch_index: int) -> int:
         """Pick the next token from the last decode's logits at ``batch_index``."""
         return self.sample_logits(self._engine.logits_row(batch_index))
 
     def sample_logits(self, logits: np.ndarray) -> int:
-        """Pick a token from a logits vector and advance this sampler's state."""
+        """Pick a token from a logits vector and advance this sampler's state.
+
+        Raises ``GrammarEnded`` (the grammar is complete) or ``SamplingFailed``."""
         if self._chain is None:
             if self._bias_ids.size:
                 logits = logits.copy()
@@ -467,18 +516,67 @@ class LlamaSampler:
             selected=-1,
             sorted=False,
         )
+        allowed = None
+        if self._constraints is not None:
+            lc.llama_sampler_apply(self._constraints, ctypes.byref(arr))
+            allowed = self._allowed(cand)
         lc.llama_sampler_apply(self._chain, ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size:
-            raise EngineError("sampler selected no token (grammar allows nothing here?)")
+            raise SamplingFailed("the sampler selected no token")
         token = int(arr.data[arr.selected].id)
+        if allowed is not None:
+            if not 0 <= token < allowed.size or not allowed[token]:
+                raise SamplingFailed("the sampler picked a token the grammar does not allow")
+            lc.llama_sampler_accept(self._constraints, token)
         lc.llama_sampler_accept(self._chain, token)
         return token
 
+    def _allowed(self, cand: np.ndarray) -> np.ndarray:
+        """After the constraints (candidates still in token id order): which tokens the
+        grammar allows. Some token must be left, and not only an end-of-generation token
+        that ``ignore_eos`` forbids (then the grammar is complete: ``GrammarEnded``)."""
+        allowed = np.isfinite(cand["logit"])
+        if not allowed.any():
+            raise SamplingFailed("the grammar allows no token here")
+        if self._ignore_eos:
+            others = allowed.copy()
+            others[self._engine.eog_tokens] = False
+            if not others.any():
+                raise GrammarEnded()
+        return allowed
+
     def close(self) -> None:
-        """Free the C sampler chain (idempotent)."""
-        if self._chain is not None:
-            lc.llama_sampler_free(self._chain)
-            self._chain = None
+        """Free the C sampler chains (idempotent)."""
+        for name in ("_chain", "_constraints"):
+            chain = getattr(self, name)
+            if chain is not None:
+                lc.llama_sampler_free(chain)
+                setattr(self, name, None)
+
+
+def _new_chain() -> object:
+    return lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+
+
+def _bias_sampler(n_vocab: int, bias: dict[int, float]) -> object | None:
+    if not bias:
+        return None
+    entries = (lc.llama_logit_bias * len(bias))(
+        *(lc.llama_logit_bias(token=t, bias=b) for t, b in bias.items())
+    )
+    return lc.llama_sampler_init_logit_bias(n_vocab, len(bias), entries)
+
+
+def _penalties_sampler(n_vocab: int, params: SamplingParams) -> object | None:
+    if not params.uses_penalties:
+        return None
+    return lc.llama_sampler_init_penalties(
+        n_vocab,
+        params.penalty_last_n,
+        params.repeat_penalty,
+        params.frequency_penalty,
+        params.presence_penalty,
+    )
 
 
 __all__ = [
@@ -488,7 +586,9 @@ __all__ = [
     "DECODE_OK",
     "EngineConfig",
     "EngineError",
+    "GrammarEnded",
     "LlamaEngine",
     "LlamaSampler",
+    "SamplingFailed",
     "route_llama_logs",
 ]

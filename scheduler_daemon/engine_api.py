@@ -19,3 +19,13 @@ class BatchRow:
     tokens: Sequence[int]
     pos0: int
     logits: bool
+
+
+class GrammarEnded(Exception):
+    """A request's grammar allows nothing more than end-of-generation (which ``ignore_eos``
+    forbids): the request is complete and ends with ``stop``."""
+
+
+class RowFailed(Exception):
+    """Something tied to one request failed (its sampler picked no token...): that
+    request ends with an error, alone; the batch and the loop carry on."""

@@ -33,6 +33,7 @@ class InvalidParameter(Refusal):
 
 # Codes used across the scheduler (one place, so the web side can import them too).
 QUEUE_FULL = "queue_full"
+TENANT_QUEUE_FULL = "tenant_queue_full"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 EMPTY_PROMPT = "empty_prompt"
 CONTEXT_FULL = "context_full"

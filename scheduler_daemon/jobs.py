@@ -67,6 +67,7 @@ class Request:
     session: str | None = None
     cache_prompt: bool | None = None  # None: the scheduler's default
     arrival: float | None = None  # monotonic seconds; None: when submitted
+    max_queued: int | None = None  # its scope's cap on waiting jobs; None: the configured one
 
 
 @dataclass(slots=True)

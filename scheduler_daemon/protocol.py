@@ -90,6 +90,27 @@ def decode_command(fields: dict[Any, Any]) -> dict[str, Any]:
     return json.loads(raw)
 
 
+# Containment of native crashes (what a daemon was running when it died, and poison jobs):
+# Running    ``llm:running:<daemon id>``  hash: request id -> job fingerprint, for every job
+#                                         the daemon has started and not ended (written
+#                                         before any native code sees the job)
+# Deaths     ``llm:deaths:<fingerprint>`` daemon deaths with that job running
+# Quarantine ``llm:quarantine``           hash: fingerprint -> JSON record; such jobs are
+#                                         refused with request_quarantined (admin releases)
+RUNNING_TTL_S = 24 * 3600  # refreshed by every heartbeat
+DEATHS_TTL_S = 24 * 3600
+QUARANTINE_HASH = f"{PREFIX}:quarantine"
+REQUEST_QUARANTINED = "request_quarantined"
+
+
+def running_key(daemon_id: str) -> str:
+    return f"{PREFIX}:running:{daemon_id}"
+
+
+def deaths_key(fingerprint: str) -> str:
+    return f"{PREFIX}:deaths:{fingerprint}"
+
+
 def interrupted_key(request_id: str) -> str:
     """SET NX guard so that only one party writes a request's inference_interrupted event."""
     return f"{PREFIX}:interrupted:{request_id}"
@@ -109,6 +130,7 @@ class Job:
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields, as sent
     session: str | None = None
     cache_prompt: bool | None = None
+    max_queued: int | None = None  # the tenant's cap on waiting jobs (None: MAX_QUEUE_PER_TENANT)
     enqueued_at: float = field(default_factory=time.time)
 
     def encode(self) -> dict[str, str]:
@@ -161,17 +183,27 @@ REFUSAL_STATUS = {
     "empty_prompt": 400,
     "invalid_request_error": 400,
     "duplicate_request_id": 409,
+    "request_quarantined": 400,
+    "tenant_queue_full": 429,
+    "internal_error": 500,
 }
 
 
 # -- tenant limits and usage (issue 7) ----------------------------------------------------------
-# The web admits a request with one Lua script (inference/limits.py) over these keys; the
-# daemon records actual usage and frees the request's concurrency slot when it writes the
-# terminal event (transport._flush), in the same pipeline. Tenant ids are the DB ids.
+# The web admits a request with one Lua script (inference/limits.py) over these keys, and
+# reserves the most tokens it can use when the tenant has a token limit; the daemon records
+# actual usage, drops the reservation and frees the request's concurrency slot when it
+# writes the terminal event (transport._flush), in the same pipeline. Tenant ids are the DB
+# ids.
 #
-# In-flight ``llm:limit:inflight:<tenant>``   sorted set: request id -> expiry (unix s).
+# In-flight ``llm:limit:inflight:<tenant>``   sorted set: request id -> expiry (unix s); a
+#                                             resume holds a ``resume:<hex>`` member.
 #                                             Members past their expiry are dropped on each
 #                                             admission, so a crash never leaks a slot.
+# Reserved  ``llm:limit:reserved:<tenant>``   hash: request id -> tokens reserved at
+#                                             admission (prompt estimate + max_tokens); counts
+#                                             against the token limits while the request's
+#                                             in-flight member lives (dropped with it).
 # Requests  ``llm:limit:rpm:<tenant>:<min>``  admitted requests in one UTC minute (unix s // 60)
 # Tokens    ``llm:limit:tpm:<tenant>:<min>``  prompt + completion tokens finished in that minute
 # Month     ``llm:usage:month:<tenant>:<YYYYMM>``  prompt + completion tokens in a UTC month
@@ -183,6 +215,10 @@ LIMIT_REFUSALS_HASH = f"{PREFIX}:limit:refusals"
 
 def inflight_key(tenant_id: str) -> str:
     return f"{PREFIX}:limit:inflight:{tenant_id}"
+
+
+def reserved_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:reserved:{tenant_id}"
 
 
 def rpm_key(tenant_id: str, minute: int) -> str:
@@ -206,11 +242,14 @@ def usage_keys(tenant_id: str, now: float) -> tuple[str, str]:
 
 def record_usage(pipe: Any, tenant_id: str, request_id: str, total_tokens: int, now: float) -> None:
     """Queue on ``pipe`` what a request's end does to its tenant's limits: count its tokens
-    in the minute and month windows, free its concurrency slot."""
+    in the minute and month windows, then drop its reservation and free its concurrency
+    slot. In that order: a concurrent admission may see both the charge and the reservation
+    (too cautious for a moment), never neither. Idempotent but for the charge."""
     if total_tokens > 0:
         minute_key, month_key = usage_keys(tenant_id, now)
         pipe.incrby(minute_key, total_tokens)
         pipe.expire(minute_key, LIMIT_WINDOW_TTL_S)
         pipe.incrby(month_key, total_tokens)
         pipe.expire(month_key, MONTH_USAGE_TTL_S)
+    pipe.hdel(reserved_key(tenant_id), request_id)
     pipe.zrem(inflight_key(tenant_id), request_id)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import errors
-from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
+from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow, GrammarEnded
 from .errors import Refusal
 from .jobs import (
     FINISH_REASON,
@@ -80,6 +80,12 @@ class SchedulerConfig:
     ram_tenant_share: float = 1.0  # most of that budget one cache_scope may hold
     ram_min_tokens: int = 16  # shorter cached prefixes are not worth a RAM entry
     session_max_bypass: int = 4  # session requests that may go ahead of one queue head
+    # Fair shares between cache scopes (tenants). KV_TENANT_SHARE: the most of the KV block
+    # budget one scope's running requests may reserve (so one request's reservation can never
+    # lock the other tenants out); MAX_QUEUE_PER_TENANT: waiting jobs one scope may hold
+    # (a request may carry its tenant's own cap). None: no cap.
+    kv_scope_share: float = 1.0
+    max_queue_per_scope: int | None = None
 
 
 @dataclass(slots=True)
@@ -114,10 +120,12 @@ class Scheduler:
         self._jobs: dict[str, Job] = {}
         self._cancels: set[str] = set()
         self._in_flight: set[str] = set()
+        self.tick_rows: list[str] = []  # requests in the batch of the tick under way
         budget = config.kv_budget_tokens or engine.n_ctx
         self._total_blocks = budget // config.kv_block_tokens
         self._used_blocks = 0
-        self.max_request_tokens = min(engine.n_ctx, self._total_blocks * config.kv_block_tokens)
+        self._scope_blocks = max(1, int(self._total_blocks * config.kv_scope_share))
+        self.max_request_tokens = min(engine.n_ctx, self._scope_blocks * config.kv_block_tokens)
         self._rr_next = 0
         self._tick = 0
         self._admitting = True
@@ -155,9 +163,28 @@ class Scheduler:
                     max_queue=self.config.max_queue,
                 )
 
+    def check_scope_capacity(self, cache_scope: str, max_queued: int | None = None) -> None:
+        """Refuse (429 ``tenant_queue_full``) when this scope already has its share of the
+        queue waiting. ``max_queued``: the scope's own cap, else the configured one."""
+        cap = max_queued if max_queued is not None else self.config.max_queue_per_scope
+        if cap is None:
+            return
+        with self._lock:
+            waiting = sum(1 for j in self._waiting if j.cache_scope == cache_scope)
+            if waiting >= cap:
+                self.counters["refused_tenant_queue_full"] += 1
+                raise Refusal(
+                    errors.TENANT_QUEUE_FULL,
+                    f"this tenant already has {waiting} requests waiting (at most {cap}); "
+                    "retry when some have started",
+                    max_queued=cap,
+                    retry_after_s=1,
+                )
+
     def submit(self, request: Request) -> None:
         """Queue a request or raise ``Refusal``. Its events go to ``on_event``."""
         self.check_capacity()
+        self.check_scope_capacity(request.cache_scope, request.max_queued)
         n_prompt = len(request.prompt_tokens)
         if n_prompt == 0:
             raise Refusal(errors.EMPTY_PROMPT, "the prompt is empty", param="prompt")
@@ -183,6 +210,7 @@ class Scheduler:
                 if request.id in self._jobs:
                     raise Refusal(errors.DUPLICATE_ID, f"request id {request.id} is already in use")
                 self.check_capacity()
+                self.check_scope_capacity(request.cache_scope, request.max_queued)
                 self._jobs[job.id] = job
                 self._waiting.append(job)
                 if job.cache_scope not in self._turns:
@@ -226,6 +254,14 @@ class Scheduler:
                     self._forget(job.slot)
                 self._finish(job, Status.FINISHED_ERROR, {"code": code, "message": message})
 
+    def fail_tick(self, exc: BaseException) -> int:
+        """After a tick raised: fail the requests of its batch (one of them is the likely
+        cause); returns how many. The loop decides when the engine itself is unusable."""
+        with self._lock:
+            rows, self.tick_rows = self.tick_rows, []
+            self._in_flight = set()
+            return sum(self.fail_request(request_id, exc) for request_id in rows)
+
     def evict_scope(self, cache_scope: str) -> int:
         """Forget one scope's cached prefixes in idle slots and the RAM tier; returns how
         many entries went. Slots still serving a request of that scope are left alone."""
@@ -239,6 +275,15 @@ class Scheduler:
                 self._forget(slot)
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
             return len(idle) + ram
+
+    def running_ids(self) -> set[str]:
+        """Requests in a slot (prefilling or generating)."""
+        with self._lock:
+            return {s.job.id for s in self._slots if s.job is not None}
+
+    def wake(self) -> None:
+        """Let the loop run a tick now."""
+        self._work.set()
 
     def has_work(self) -> bool:
         with self._lock:
@@ -292,6 +337,7 @@ class Scheduler:
             with self._lock:
                 plan = self._plan(cap)
                 self._in_flight = {p.job.id for p in plan}
+                self.tick_rows = list(self._in_flight)
                 if self._cancels & self._in_flight:
                     self._in_flight = set()
                     return None  # a cancel arrived since the tick began: apply it first
@@ -326,6 +372,7 @@ class Scheduler:
                 return None
         with self._lock:
             stats = self._after_decode(plan, rows, n_tokens, eval_ms, retries)
+            self.tick_rows = []
         log.debug("tick %s (%.1f ms)", stats, (self._clock() - t0) * 1000)
         if self._on_tick is not None:
             self._on_tick(stats)
@@ -355,11 +402,15 @@ class Scheduler:
         return wanted
 
     def _apply_cancels(self) -> None:
-        for request_id in self._cancels:
+        cancels, self._cancels = self._cancels, set()
+        for request_id in cancels:
             job = self._jobs.get(request_id)
-            if job is not None:
+            if job is None:
+                continue
+            try:
                 self._finish(job, Status.FINISHED_CANCELLED)
-        self._cancels.clear()
+            except Exception as exc:
+                self.fail_request(request_id, exc)
 
     def _admit(self) -> None:
         """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the
@@ -371,18 +422,41 @@ class Scheduler:
             if self._admit_session():
                 continue
             job = self._head()
+            if job is None:
+                return  # every scope with waiting work is at its KV share
             if self._used_blocks + job.blocks > self._total_blocks:
                 return
             slot = self._choose_slot(job)
             if slot is None:
                 return
             self._take(job)
-            self._assign(job, slot)
+            self._assign_or_fail(job, slot)
 
-    def _head(self) -> Job:
-        """The oldest waiting job of the scope whose turn it is."""
-        scope = self._turns[0]
-        return next(j for j in self._waiting if j.cache_scope == scope)
+    def _assign_or_fail(self, job: Job, slot: Slot) -> None:
+        """``_assign``; a failure there (restoring a cached prefix...) fails this job alone
+        and leaves the slot empty."""
+        try:
+            self._assign(job, slot)
+        except Exception as exc:
+            if slot.job is job:
+                self._used_blocks -= job.blocks
+            slot.job, slot.state, job.slot = None, SlotState.IDLE, None
+            self._forget(slot)
+            self._jobs.pop(job.id, None)
+            log.error("request %s could not start: %r", job.id, exc, exc_info=exc)
+            self.counters["request_failures"] += 1
+            error = {"code": errors.ENGINE_ERROR, "message": "this request failed to start"}
+            self._drop(job, error)
+
+    def _head(self) -> Job | None:
+        """The oldest waiting job of the first scope in turn order whose running requests
+        leave room for it within the scope's KV share (None: no such scope)."""
+        held = self._scope_held()
+        for scope in self._turns:
+            job = next(j for j in self._waiting if j.cache_scope == scope)
+            if held[scope] + job.blocks <= self._scope_blocks:
+                return job
+        return None
 
     def _take(self, job: Job) -> None:
         """Dequeue a job; its scope, if it still has jobs waiting, goes to the back of the turns."""
@@ -391,10 +465,18 @@ class Scheduler:
         if any(j.cache_scope == job.cache_scope for j in self._waiting):
             self._turns.append(job.cache_scope)
 
+    def _scope_held(self) -> Counter[str]:
+        """KV blocks reserved by each scope's running requests."""
+        held: Counter[str] = Counter()
+        for slot in self._slots:
+            if slot.job is not None:
+                held[slot.job.cache_scope] += slot.job.blocks
+        return held
+
     def _admit_session(self) -> bool:
         """A queued request whose session's slot is free takes it now if the KV budget allows."""
         head = self._head()
-        if head.passed_over >= self.config.session_max_bypass:
+        if head is None or head.passed_over >= self.config.session_max_bypass:
             return False  # this head has been passed over enough: it goes next
         pinned = {
             (s.scope, s.session): s
@@ -403,14 +485,18 @@ class Scheduler:
         }
         if not pinned:
             return False
+        held = self._scope_held()
         for job in self._waiting:
             slot = pinned.get((job.cache_scope, job.session))
-            fits = self._used_blocks + job.blocks <= self._total_blocks
+            fits = (
+                self._used_blocks + job.blocks <= self._total_blocks
+                and held[job.cache_scope] + job.blocks <= self._scope_blocks
+            )
             if job is not head and slot is not None and job.cache_prompt and fits:
                 self._take(job)
                 head.passed_over += 1
                 self.counters["session_bypasses"] += 1
-                self._assign(job, slot)
+                self._assign_or_fail(job, slot)
                 return True
         return False
 
@@ -514,8 +600,8 @@ class Scheduler:
             p.slot.tokens.extend(p.row.tokens)
             if p.job.status is Status.GENERATING:
                 decode_tokens += 1
-            if p.row.logits:
-                self._on_token(p.job, p.job.sampler.sample(offset - 1), now)
+            if p.row.logits and p.job.id in self._jobs:
+                self._sample_row(p.job, offset - 1, now)
         self._tick += 1
         self.counters["ticks"] += 1
         return TickStats(
@@ -529,11 +615,70 @@ class Scheduler:
             kv_retries=retries,
         )
 
-    def _on_token(self, job: Job, token: int, now: float) -> None:
+    def _sample_row(self, job: Job, batch_index: int, now: float) -> None:
+        """Sample and take one request's next token; whatever fails here fails that
+        request alone (its sampler, its grammar, its text decoding, its stop strings)."""
+        try:
+            token = job.sampler.sample(batch_index)
+        except GrammarEnded:
+            self._note_first_token(job, now)
+            self._finish(job, Status.FINISHED_STOPPED)
+            return
+        except Exception as exc:
+            self.fail_request(job.id, exc)
+            return
+        try:
+            self._on_token(job, token, now)
+        except Exception as exc:
+            self.fail_request(job.id, exc)
+
+    def fail_request(self, request_id: str, exc: BaseException) -> bool:
+        """End one request with ``engine_error`` after a failure tied to it; its slot and KV
+        are freed and every other request carries on. False if it had already ended."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is None:
+                return False
+            log.error("request %s failed alone: %r", request_id, exc, exc_info=exc)
+            self.counters["request_failures"] += 1
+            error = {"code": errors.ENGINE_ERROR, "message": "this request failed in the engine"}
+            try:
+                self._finish(job, Status.FINISHED_ERROR, error)
+            except Exception:
+                log.exception("ending request %s failed; dropping it", request_id)
+                self._drop(job, error)
+            return True
+
+    def _drop(self, job: Job, error: dict[str, Any]) -> None:
+        """The last resort when ``_finish`` itself failed: forget the job, free what it
+        held, still send its end (no text tail: decoding it is what may have failed)."""
+        self._jobs.pop(job.id, None)
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job.cache_scope in self._turns and not any(
+            j.cache_scope == job.cache_scope for j in self._waiting
+        ):
+            self._turns.remove(job.cache_scope)
+        if job.slot is not None and job.slot.job is job:
+            job.slot.job, job.slot.state = None, SlotState.IDLE
+            self._forget(job.slot)
+            self._used_blocks -= job.blocks
+        job.slot = None
+        try:
+            job.sampler.close()
+        except Exception:
+            log.exception("closing the sampler of %s failed", job.id)
+        job.status = Status.FINISHED_ERROR
+        self._emit(FinishedEvent(job.id, "error", self._stats(job, self._clock()), error=error))
+
+    def _note_first_token(self, job: Job, now: float) -> None:
         if job.t_first_token is None:
             job.t_first_token = now
             job.status = Status.GENERATING
             job.slot.state = SlotState.GENERATING
+
+    def _on_token(self, job: Job, token: int, now: float) -> None:
+        self._note_first_token(job, now)
         if not job.params.ignore_eos and self.engine.is_eog(token):
             self._finish(job, Status.FINISHED_STOPPED)
             return
@@ -597,7 +742,7 @@ class Scheduler:
         prefill_s = first - started if first is not None and started is not None else 0.0
         gen_s = now - first if first is not None else 0.0
         return RequestStats(
-            prompt_tokens=len(job.prompt),
+            prompt_tokens=len(job.prompt) if started is not None else 0,  # billed once computed
             cached_tokens=job.cached_tokens,
             completion_tokens=len(job.output),
             queue_ms=_ms(started - job.arrival) if started is not None else None,

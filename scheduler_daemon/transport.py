@@ -1,8 +1,12 @@
 """The daemon's side of the Redis wire (see ``protocol.py``): jobs in, events out.
 
 Threads, besides the core's scheduler loop:
-- intake:  XREADGROUP on the model's jobs stream; checks the durable cancel flag; submits
-           to the core; refusals become ``error`` events with the HTTP status to answer.
+- intake:  XREADGROUP on the model's jobs stream into a small queue kept per tenant.
+- prepare: takes that queue round-robin by tenant (one tenant's big prompts delay another's
+           job by at most one of them); checks the durable cancel flag and the quarantine;
+           renders, tokenizes and submits to the core. Refusals, and any other failure to
+           start a job, become that job's ``error`` event: starting a job never stops the
+           daemon (``rejected`` counts them by reason).
 - cancels: pub/sub on ``llm:cancel``; cancels in-flight work at once (abort mid-prefill).
 - control: operator commands on ``llm:control:<daemon id>`` (drain, resume, evict a scope).
 - writer:  one pipeline per tick with every request's new events (tokens coalesced), the
@@ -14,6 +18,7 @@ Threads, besides the core's scheduler loop:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +43,64 @@ request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line pe
 
 RECLAIM_INTERVAL_S = 5.0
 INTAKE_BATCH = 16
+PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # jobs read but not yet started; more wait in Redis
+QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never run again
+# Test-only fault hook (setting FAULT_INJECTION): a job whose prompt holds this text makes
+# the daemon abort the process at its first tick, like a native crash would.
+FAULT_MARKER = "__abort_the_daemon__"
+
+
+class _FairQueue:
+    """Jobs waiting to be started, one FIFO per tenant, taken round-robin across tenants."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[tuple[str, protocol.Job]]] = {}
+        self._turns: deque[str] = deque()
+        self._cond = threading.Condition()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, entry_id: str, job: protocol.Job) -> None:
+        with self._cond:
+            queue = self._queues.setdefault(job.tenant_id, deque())
+            if not queue:
+                self._turns.append(job.tenant_id)
+            queue.append((entry_id, job))
+            self._size += 1
+            self._cond.notify()
+
+    def get(self, timeout: float) -> tuple[str, protocol.Job] | None:
+        """The next tenant's oldest job; None after ``timeout`` with nothing queued."""
+        with self._cond:
+            if not self._size and not self._cond.wait(timeout):
+                return None
+            if not self._size:
+                return None
+            tenant = self._turns.popleft()
+            queue = self._queues[tenant]
+            item = queue.popleft()
+            if queue:
+                self._turns.append(tenant)
+            else:
+                del self._queues[tenant]
+            self._size -= 1
+            return item
+
+
+def job_fingerprint(job: protocol.Job) -> str:
+    """What makes a job the same request again, whoever sends it and under whatever id: the
+    quarantine's key (a poison request sent anew is still refused)."""
+    body = {
+        "kind": job.kind,
+        "model": job.model,
+        "prompt": job.prompt,
+        "messages": job.messages,
+        "params": job.params,
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -70,6 +134,7 @@ class DaemonTransport:
         daemon_id: str | None = None,
         config_info: dict[str, Any] | None = None,
         stream_interval_s: float = 0.0,
+        fault_injection: bool = False,
     ) -> None:
         """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
         most this often, several to one event; its first token, ``accepted`` and the end go
@@ -96,6 +161,10 @@ class DaemonTransport:
         self._threads: list[threading.Thread] = []
         self._last_heartbeat = 0.0
         self._last_reclaim = 0.0
+        self._prepare = _FairQueue()
+        self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
+        self.fault_injection = fault_injection
+        self.running_key = protocol.running_key(self.daemon_id)
         core.listeners.append(self._on_event)
         core.tick_listeners.append(lambda _stats: self._wake())
 
@@ -114,7 +183,15 @@ class DaemonTransport:
         self._running.set()
         self._intake_open.set()
         self._heartbeat()
-        for target in (self._intake_loop, self._cancel_loop, self._control_loop, self._writer_loop):
+        self._reclaim_own()
+        threads = (
+            self._intake_loop,
+            self._prepare_loop,
+            self._cancel_loop,
+            self._control_loop,
+            self._writer_loop,
+        )
+        for target in threads:
             thread = threading.Thread(target=target, name=target.__name__.strip("_"), daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -132,6 +209,8 @@ class DaemonTransport:
         self._flush()
         self.redis.delete(protocol.daemon_key(self.daemon_id))
         self.redis.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+        if not self.redis.hlen(self.running_key):
+            self.redis.delete(self.running_key)
         log.info("daemon %s stopped", self.daemon_id)
 
     @property
@@ -147,17 +226,23 @@ class DaemonTransport:
                 time.sleep(0.1)
                 continue
             self._intake_paused.clear()
+            room = PREPARE_QUEUE_MAX - len(self._prepare)
+            if room <= 0:  # the rest waits in Redis, where another daemon may take it
+                time.sleep(0.02)
+                continue
             try:
                 reply = self.redis.xreadgroup(
                     protocol.JOBS_GROUP,
                     self.daemon_id,
                     {self.jobs_stream: ">"},
-                    count=INTAKE_BATCH,
+                    count=min(INTAKE_BATCH, room),
                     block=500,
                 )
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
-                    raise
+                    log.exception("reading jobs failed; retrying in 1 s")
+                    time.sleep(1)
+                    continue
                 log.warning(
                     "the jobs stream or its group vanished (Redis restarted?): recreating it"
                 )
@@ -171,19 +256,59 @@ class DaemonTransport:
                 for entry_id, fields in entries:
                     if not self._intake_open.is_set():
                         return  # unread by us: reclaimed by the next daemon once we are gone
-                    self._start_job(_text(entry_id), fields)
+                    self._take(_text(entry_id), fields)
 
-    def _start_job(self, entry_id: str, fields: dict[Any, Any]) -> None:
+    def _take(self, entry_id: str, fields: dict[Any, Any]) -> None:
+        """Queue a read job for the preparer (a malformed entry is dropped and counted)."""
         try:
             job = protocol.Job.decode(fields)
-        except (KeyError, TypeError, ValueError):
+            if not isinstance(job.id, str) or not isinstance(job.tenant_id, str):
+                raise TypeError("job id and tenant id must be strings")
+        except Exception:
             log.error("dropping malformed job entry %s", entry_id)
-            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            self.rejected["malformed"] += 1
+            self._ack_quietly(entry_id)
             return
+        self._prepare.put(entry_id, job)
+
+    def _prepare_loop(self) -> None:
+        while self._intake_open.is_set():
+            item = self._prepare.get(timeout=0.5)
+            if item is not None:
+                self._start_job_safely(*item)
+
+    def _start_job_safely(self, entry_id: str, job: protocol.Job) -> None:
+        """``_start_job``; any failure ends that job alone with an error event."""
+        try:
+            self._start_job(entry_id, job)
+        except Exception:
+            log.exception("starting job %s failed; it ends with an error, alone", job.id)
+            with self._cond:
+                self._buffer.held.pop(job.id, None)
+            self.rejected["internal_error"] += 1
+            data = {
+                "code": "internal_error",
+                "message": "The server could not start this request.",
+                "status": 500,
+            }
+            self._queue_terminal(job.id, entry_id, protocol.ERROR, data)
+
+    def _start_job(self, entry_id: str, job: protocol.Job) -> None:
         self._tenants[job.id] = job.tenant_id
-        if self.redis.exists(protocol.cancel_key(job.id)):
+        fingerprint = job_fingerprint(job)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(protocol.cancel_key(job.id))
+        pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
+        cancelled, quarantined = pipe.execute()
+        if cancelled:
             self._queue_terminal(job.id, entry_id, protocol.DONE, _cancelled_before_start())
             return
+        if quarantined:
+            self._refuse(job.id, entry_id, _quarantined_refusal())
+            return
+        # Before any native code sees the job: if it kills this daemon, the next one knows
+        # the job was running here (see _recover).
+        self.redis.hset(self.running_key, job.id, fingerprint)
         with self._cond:
             self._buffer.held[job.id] = []
         try:
@@ -196,12 +321,12 @@ class DaemonTransport:
                 cache_scope=job.cache_scope,
                 session=job.session,
                 cache_prompt=job.cache_prompt,
+                max_queued=job.max_queued,
             )
         except Refusal as refusal:
             with self._cond:
                 self._buffer.held.pop(job.id, None)
-            data = {**refusal.as_dict(), "status": protocol.REFUSAL_STATUS.get(refusal.code, 400)}
-            self._queue_terminal(job.id, entry_id, protocol.ERROR, data)
+            self._refuse(job.id, entry_id, refusal)
             return
         with self._cond:
             self._entries[job.id] = entry_id
@@ -218,8 +343,25 @@ class DaemonTransport:
             self._buffer.items.extend(self._buffer.held.pop(job.id))
             self._buffer.urgent = True
             self._cond.notify()
-        if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while we were submitting
-            self.core.cancel(job.id)
+        if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
+            self.core.abort_process_when_running(job.id)
+        try:
+            if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while submitting
+                self.core.cancel(job.id)
+        except redis.RedisError:
+            log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def _refuse(self, request_id: str, entry_id: str, refusal: Refusal) -> None:
+        """Answer a job the daemon will not run with its error event (and count it)."""
+        self.rejected[refusal.code] += 1
+        data = {**refusal.as_dict(), "status": protocol.REFUSAL_STATUS.get(refusal.code, 400)}
+        self._queue_terminal(request_id, entry_id, protocol.ERROR, data)
+
+    def _ack_quietly(self, entry_id: str) -> None:
+        try:
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        except redis.RedisError:
+            log.warning("could not acknowledge job entry %s", entry_id)
 
     # -- cancels ----------------------------------------------------------------------------
 
@@ -385,6 +527,7 @@ class DaemonTransport:
                 pipe.expire(stream, protocol.EVENTS_TTL_S)
             elif item.kind in protocol.TERMINAL:
                 pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
+                pipe.hdel(self.running_key, item.request_id)
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
         try:
@@ -438,6 +581,7 @@ class DaemonTransport:
             "heartbeat_at": time.time(),
             "config": self.config_info,
             "draining": self.drained,
+            "rejected": dict(self.rejected),
             **self.core.snapshot(),
         }
 
@@ -452,11 +596,11 @@ class DaemonTransport:
         )
         pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
         pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
+        pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
         pipe.execute()
 
     def reclaim_dead(self) -> int:
-        """Take over the pending jobs of consumers whose daemon is gone. A job that had
-        started ends with ``inference_interrupted``; one that had not is served here."""
+        """Take over the pending jobs of consumers whose daemon is gone (see ``_recover``)."""
         reclaimed = 0
         try:
             consumers = self.redis.xinfo_consumers(self.jobs_stream, protocol.JOBS_GROUP)
@@ -481,42 +625,117 @@ class DaemonTransport:
                 if ids
                 else []
             )
-            for entry_id, fields in claimed:
-                if fields:
-                    self._recover(_text(entry_id), fields, dead=name)
-                else:  # the entry was trimmed away: nothing left to serve
-                    self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
-                reclaimed += 1
+            reclaimed += self._recover_all(claimed, name)
             self.redis.xgroup_delconsumer(self.jobs_stream, protocol.JOBS_GROUP, name)
             log.warning("reclaimed %d pending jobs of dead daemon %s", len(claimed), name)
         return reclaimed
 
-    def _recover(self, entry_id: str, fields: dict[Any, Any], dead: str) -> None:
+    def _reclaim_own(self) -> int:
+        """At start: entries still pending under this daemon id were read by an earlier run of
+        it (restarted by its supervisor under the same id): recover them like a dead daemon's."""
+        pending = self.redis.xpending_range(
+            self.jobs_stream, protocol.JOBS_GROUP, "-", "+", count=1000,
+            consumername=self.daemon_id,
+        )
+        entries: list[tuple[Any, Any]] = []
+        for p in pending:
+            found = self.redis.xrange(self.jobs_stream, p["message_id"], p["message_id"])
+            entries.append(found[0] if found else (p["message_id"], {}))  # {}: trimmed away
+        if entries:
+            log.warning("recovering %d jobs of this daemon's previous run", len(entries))
+        return self._recover_all(entries, self.daemon_id)
+
+    def _recover_all(self, claimed: list[tuple[Any, Any]], dead: str) -> int:
+        """Recover each claimed entry of the daemon ``dead``; its running record goes after."""
+        running_key = protocol.running_key(dead)
+        started = {_text(k): _text(v) for k, v in self.redis.hgetall(running_key).items()}
+        for entry_id, fields in claimed:
+            if fields:
+                try:
+                    self._recover(_text(entry_id), fields, dead, started)
+                except redis.RedisError:
+                    raise
+                except Exception:
+                    log.exception("recovering job entry %s failed; dropping it", entry_id)
+                    self._ack_quietly(_text(entry_id))
+            else:  # the entry was trimmed away: nothing left to serve
+                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        self.redis.delete(running_key)
+        return len(claimed)
+
+    def _recover(
+        self, entry_id: str, fields: dict[Any, Any], dead: str, started: dict[str, str]
+    ) -> None:
+        """One job a dead daemon had read. Ended: acknowledged. Running there when it died:
+        one more death on its fingerprint, and at QUARANTINE_AFTER_DEATHS it is quarantined
+        (refused, never run again). Otherwise a job that had streamed no text is served
+        again here; one that had ends with ``inference_interrupted``."""
         job = protocol.Job.decode(fields)
         stream = protocol.events_stream(job.id)
-        events = self.redis.xrange(stream)
-        kinds = [protocol.decode_event(f)[0] for _, f in events]
+        kinds = [protocol.decode_event(f)[0] for _, f in self.redis.xrange(stream)]
         if any(k in protocol.TERMINAL for k in kinds):
             self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
-        elif kinds:
-            if self.redis.set(
-                protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S
-            ):
-                self._tenants[job.id] = job.tenant_id
-                self._queue_terminal(
-                    job.id,
-                    entry_id,
-                    protocol.ERROR,
-                    {
-                        "code": protocol.INFERENCE_INTERRUPTED,
-                        "message": f"the scheduler daemon {dead} stopped while serving this "
-                        "request",
-                    },
-                )
-            else:
-                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            return
+        fingerprint = started.get(job.id)
+        if fingerprint is not None:
+            deaths = self._count_death(fingerprint)
+            log.warning("job %s was running when daemon %s died (%d deaths)", job.id, dead, deaths)
+            if deaths >= QUARANTINE_AFTER_DEATHS:
+                self._quarantine(entry_id, job, fingerprint, dead, deaths)
+                return
+        if protocol.TOKEN not in kinds:
+            self._prepare.put(entry_id, job)
+            return
+        if self.redis.set(
+            protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S
+        ):
+            self._tenants[job.id] = job.tenant_id
+            self._queue_terminal(
+                job.id,
+                entry_id,
+                protocol.ERROR,
+                {
+                    "code": protocol.INFERENCE_INTERRUPTED,
+                    "message": f"the scheduler daemon {dead} stopped while serving this request",
+                },
+            )
         else:
-            self._start_job(entry_id, fields)
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+
+    def _count_death(self, fingerprint: str) -> int:
+        key = protocol.deaths_key(fingerprint)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, protocol.DEATHS_TTL_S)
+        return int(pipe.execute()[0])
+
+    def _quarantine(
+        self, entry_id: str, job: protocol.Job, fingerprint: str, dead: str, deaths: int
+    ) -> None:
+        """Record the job's fingerprint as poison (the admin lists and releases them) and end
+        it with ``request_quarantined``."""
+        record = {
+            "request_id": job.id,
+            "tenant_id": job.tenant_id,
+            "model": job.model,
+            "kind": job.kind,
+            "deaths": deaths,
+            "last_daemon": dead,
+            "at": time.time(),
+        }
+        self.redis.hset(protocol.QUARANTINE_HASH, fingerprint, json.dumps(record))
+        log.error("quarantined request %s (tenant %s): %d daemon deaths", job.id, job.tenant_id,
+                  deaths)
+        self._tenants[job.id] = job.tenant_id
+        self._refuse(job.id, entry_id, _quarantined_refusal())
+
+
+def _quarantined_refusal() -> Refusal:
+    return Refusal(
+        protocol.REQUEST_QUARANTINED,
+        "This request was running each time a scheduler daemon crashed; it will not be run "
+        "again.",
+    )
 
 
 def _finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:

@@ -8,7 +8,6 @@ Run by the project's virtualenv python (the Makefile creates .venv first):
 
 import argparse
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 REQUIREMENTS = [ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]
 DEPS_STAMP = ROOT / ".venv" / ".requirements.sha256"
+LLAMA_WHEELS = Path.home() / ".cache" / "llm-service" / "llama-cpp-wheels"
 MODEL_STAMP = ROOT / ".venv" / ".model-verified"
 RUN_SCHEDULER = ROOT / "scheduler_daemon" / "management" / "commands" / "run_scheduler.py"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -76,19 +76,80 @@ def curl_example(base: str, demo_key: str | None) -> str:
 # --- dependencies and model -------------------------------------------------------------
 
 
+# x86 CPU features llama.cpp is built for, each enabled when /proc/cpuinfo lists its flags.
+# Not GGML_NATIVE: -march=native also turns on AMX tile instructions, which a VM or sandbox
+# that does not grant them kills with SIGILL at the first matrix product (seen on these
+# machines: the CPU lists amx_tile, the process dies in ggml_backend_amx_mul_mat).
+_X86_FEATURES = [
+    ("GGML_AVX", {"avx"}),
+    ("GGML_AVX2", {"avx2"}),
+    ("GGML_FMA", {"fma"}),
+    ("GGML_F16C", {"f16c"}),
+    ("GGML_BMI2", {"bmi2"}),
+    ("GGML_AVX_VNNI", {"avx_vnni"}),
+    ("GGML_AVX512", {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}),
+    ("GGML_AVX512_VBMI", {"avx512vbmi"}),
+    ("GGML_AVX512_VNNI", {"avx512_vnni"}),
+    ("GGML_AVX512_BF16", {"avx512_bf16"}),
+]
+
+
+def llama_cmake_args() -> str:
+    """CMAKE_ARGS for building llama-cpp-python here (LLAMA_CMAKE_ARGS overrides them)."""
+    if os.environ.get("LLAMA_CMAKE_ARGS"):
+        return os.environ["LLAMA_CMAKE_ARGS"]
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    match = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
+    if os.uname().machine not in ("x86_64", "AMD64") or not match:
+        return ""  # llama.cpp's own defaults (native) elsewhere
+    flags = set(match.group(1).split())
+    args = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF"]
+    args += [f"-D{name}={'ON' if needs <= flags else 'OFF'}" for name, needs in _X86_FEATURES]
+    return " ".join(args)
+
+
+def install_llama_cpp() -> str:
+    """Build llama-cpp-python once per set of CPU flags into a wheel cache of our own (pip's
+    cache would hand back a wheel built with other flags), and install it; returns the
+    build key. ~10 minutes on 2 cores the first time, seconds after."""
+    pin = next(line.strip() for line in REQUIREMENTS[0].read_text().splitlines()
+               if line.startswith("llama-cpp-python=="))
+    cmake_args = llama_cmake_args()
+    key = hashlib.sha256(f"{pin}|{cmake_args}|{sys.version}|{os.uname().machine}".encode())
+    key_text = key.hexdigest()[:16]
+    stamp = ROOT / ".venv" / ".llama-cpp-build"
+    if stamp.exists() and stamp.read_text().strip() == key_text:
+        return key_text
+    wheels = LLAMA_WHEELS / key_text
+    if not list(wheels.glob("llama_cpp_python-*.whl")):
+        say(f"Compiling llama.cpp for {pin} (about 10 minutes on 2 cores) with: "
+            f"{cmake_args or 'its defaults'}")
+        wheels.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "CMAKE_ARGS": cmake_args}
+        subprocess.run([PY, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps",
+                        "--no-cache-dir", "-w", str(wheels), pin], cwd=ROOT, env=env, check=True)
+    wheel = next(wheels.glob("llama_cpp_python-*.whl"))
+    say(f"Installing {wheel.name} (built for this CPU: {key_text})")
+    subprocess.run([PY, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+                    "--force-reinstall", str(wheel)], cwd=ROOT, check=True)
+    stamp.write_text(key_text)
+    return key_text
+
+
 def install_deps() -> None:
     """pip install the pinned requirements unless this exact set is already installed."""
+    llama_build = install_llama_cpp()
     digest = hashlib.sha256(sys.version.encode())
+    digest.update(llama_build.encode())
     for path in REQUIREMENTS:
         digest.update(path.read_bytes())
     if DEPS_STAMP.exists() and DEPS_STAMP.read_text().strip() == digest.hexdigest():
         say("Dependencies up to date.")
         return
-    try:
-        importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        say("First install: pip compiles llama.cpp for llama-cpp-python.")
-        say("That takes about 10 minutes on 2 cores; pip reports progress below.")
     say("Installing dependencies (requirements-dev.txt) ...")
     pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-r", str(REQUIREMENTS[1])]
     subprocess.run(pip, cwd=ROOT, check=True)
@@ -264,7 +325,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         redis_proc, demo_key = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), True)
         if RUN_SCHEDULER.exists():
-            procs.append(start("scheduler", [PY, "manage.py", "run_scheduler"]))
+            procs.append(start("scheduler", [PY, "manage.py", "run_scheduler", "--supervise"]))
         else:
             say("No run_scheduler command yet: serving without a scheduler daemon.")
         daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]
@@ -312,6 +373,9 @@ def main() -> int:
     # children then start with default handlers, so they obey the SIGINT stop() sends.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # A laptop: Django's debug mode (off by default in config/settings.py) and the generated
+    # .secret_key, unless the environment says otherwise. Every child inherits it.
+    os.environ.setdefault("DEBUG", "true")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("setup").set_defaults(func=cmd_setup)

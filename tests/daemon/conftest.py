@@ -34,8 +34,13 @@ class Daemon:
         self.redis = redis.Redis.from_url(TEST_REDIS_URL)
         self.daemon_id = ""
 
-    def start(self, timeout_s: float = 120) -> Daemon:
-        self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
+    def start(
+        self, timeout_s: float = 120, supervise: bool = False, daemon_id: str | None = None
+    ) -> Daemon:
+        """``supervise``: run it under ``run_scheduler --supervise`` (``proc`` is then the
+        supervisor; the daemon's own pid is in its snapshot). ``daemon_id``: reuse an id
+        (a restart), else a new one."""
+        self.daemon_id = daemon_id or f"test-{uuid.uuid4().hex[:8]}"
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [
@@ -46,6 +51,7 @@ class Daemon:
                 "5",
                 "--daemon-id",
                 self.daemon_id,
+                *(["--supervise"] if supervise else []),
             ],
             cwd=ROOT,
             env=self.env,
@@ -53,11 +59,16 @@ class Daemon:
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s
-        while not self.redis.exists(protocol.daemon_key(self.daemon_id)):
+        while not self._published(supervise):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"daemon did not start:\n{self.log_tail()}")
             time.sleep(0.2)
         return self
+
+    def _published(self, supervised: bool) -> bool:
+        """Whether this process (not an earlier run under the same id) has a heartbeat."""
+        snap = self.snapshot()
+        return bool(snap) and (supervised or snap.get("pid") == self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
         if self.proc is None or self.proc.poll() is not None:

@@ -7,9 +7,13 @@ cancel what is left (clients get ``cancelled`` with the text so far), exit 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -17,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.supervisor import supervise
 from scheduler_daemon.transport import DaemonTransport
 
 log = logging.getLogger("scheduler_daemon.run")
@@ -33,6 +38,8 @@ CONFIG_SETTINGS = (
     "CACHE_PROMPT",
     "PROMPT_CACHE_RAM_MB",
     "STREAM_INTERVAL_MS",
+    "MAX_QUEUE_PER_TENANT",
+    "KV_TENANT_SHARE",
 )
 
 
@@ -49,8 +56,24 @@ class Command(BaseCommand):
         parser.add_argument(
             "--daemon-id", default=None, help="consumer name (default host-pid-random)"
         )
+        parser.add_argument(
+            "--supervise",
+            action="store_true",
+            help="run the daemon in a child process under one daemon id and restart it "
+            "whenever it dies (not when it exits cleanly)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["supervise"]:
+            daemon_id = options["daemon_id"] or (
+                f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            )
+            argv = [sys.executable, os.path.abspath(sys.argv[0]), "run_scheduler",
+                    "--grace", str(options["grace"]), "--daemon-id", daemon_id]
+            status = supervise(argv)
+            if status != 0:
+                raise CommandError(f"the supervised daemon ended with status {status}")
+            return
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: stop.set())
@@ -72,6 +95,7 @@ class Command(BaseCommand):
             daemon_id=options["daemon_id"],
             config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
             stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
+            fault_injection=settings.FAULT_INJECTION,
         )
         core.start()
         transport.start()
