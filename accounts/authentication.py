@@ -18,9 +18,10 @@ def authenticate_key(raw: str) -> ApiKey | None:
     """The usable ApiKey (tenant loaded) for a plaintext key, else None.
 
     Shared by the REST API and the websocket layer. Revoked keys and inactive
-    tenants fail at once: nothing is cached.
+    tenants fail at once: nothing is cached. Anything not shaped like a key we issue
+    (``split_key``: a NUL or non-ASCII character, a non-string) fails before the database.
     """
-    parts = split_key(raw.strip())
+    parts = split_key(raw.strip()) if isinstance(raw, str) else None
     if parts is None:
         return None
     prefix, secret = parts

@@ -13,6 +13,8 @@ PREFIX_LENGTH = 10
 # last_used_at is a hint, not an audit log: write it at most this often per key.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 _PREFIX_ALPHABET = string.ascii_letters + string.digits
+_PREFIX_CHARS = frozenset(_PREFIX_ALPHABET)
+MAX_SECRET_LENGTH = 256  # issued secrets are 43 characters (token_urlsafe(32))
 
 
 def secret_digest(secret: str) -> str:
@@ -21,13 +23,24 @@ def secret_digest(secret: str) -> str:
 
 
 def split_key(raw: str) -> tuple[str, str] | None:
-    """`sk-<prefix>.<secret>` -> (prefix, secret), or None when it is not shaped so."""
-    if not raw.startswith(KEY_START):
+    """`sk-<prefix>.<secret>` -> (prefix, secret), or None when it is not shaped so.
+
+    The prefix must be made of the characters keys are issued with, and the secret of
+    printable ASCII of a sane length: anything else (a NUL, which PostgreSQL cannot
+    compare; a lone surrogate, which has no bytes to hash) cannot be a key we issued.
+    """
+    if not isinstance(raw, str) or not raw.startswith(KEY_START):
         return None
     prefix, dot, secret = raw[len(KEY_START) :].partition(".")
     if not dot or len(prefix) != PREFIX_LENGTH or not secret:
         return None
+    if not _PREFIX_CHARS.issuperset(prefix) or not _is_secret_text(secret):
+        return None
     return prefix, secret
+
+
+def _is_secret_text(secret: str) -> bool:
+    return len(secret) <= MAX_SECRET_LENGTH and secret.isascii() and secret.isprintable()
 
 
 class Tenant(models.Model):
@@ -48,6 +61,9 @@ class Tenant(models.Model):
     monthly_token_budget = models.PositiveBigIntegerField(
         null=True, blank=True,
         help_text="prompt + completion tokens per UTC month; blank: unlimited")
+    max_queued = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="requests waiting in a daemon's queue at once; blank: MAX_QUEUE_PER_TENANT")
 
     class Meta:
         ordering = ["slug"]

@@ -3,6 +3,12 @@
 HTTP goes to Django (static files too, when SERVE_STATIC; the /v1/ API to a handler with
 lean middleware, config/middleware.py); websockets to the Channels
 consumers, authenticated by API key (no Origin check: keys, not cookies, carry identity).
+
+The root path (Django's script name) is ``settings.ROOT_PATH``, not what daphne puts in the
+scope: daphne takes it from a client's ``Daphne-Root-Path`` header, which would let any
+client move the line between the API and the site (``/v1/admin/`` with root path ``/v1``
+reached the admin through the API's handler). ``TRUST_ROOT_PATH_HEADER`` keeps daphne's
+value, for a proxy that sets the header itself.
 """
 
 import os
@@ -27,11 +33,25 @@ api_app = ApiHandler()  # /v1/: keys, not sessions; lean middleware (config/midd
 
 async def http_app(scope: dict, receive: Any, send: Any) -> None:
     """The API's URLs to the lean handler, the rest (admin, pages, static) to Django's."""
-    app = api_app if scope["path"].startswith(API_PREFIX) else site_app
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    app = api_app if path.startswith(API_PREFIX) else site_app
     await app(scope, receive, send)
 
 
-application = ProtocolTypeRouter({
+class TrustedRootPath:
+    """Sets each connection's ``root_path`` to ``settings.ROOT_PATH`` (the client cannot
+    choose it), unless ``settings.TRUST_ROOT_PATH_HEADER`` says daphne's is a proxy's."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and not settings.TRUST_ROOT_PATH_HEADER:
+            scope = {**scope, "root_path": settings.ROOT_PATH}
+        await self.app(scope, receive, send)
+
+
+application = TrustedRootPath(ProtocolTypeRouter({
     "http": http_app,
     "websocket": ApiKeyAuthMiddleware(URLRouter(websocket_urlpatterns)),
-})
+}))

@@ -81,9 +81,19 @@ def _first_error(detail: Any, codes: Any, path: str = "") -> tuple[str | None, s
     return path or None, str(detail), str(codes)
 
 
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Django's 400 (a SuspiciousOperation: a Host not in ALLOWED_HOSTS, a body over
+    DATA_UPLOAD_MAX_MEMORY_SIZE read outside the API's own checks): JSON under /v1/."""
+    if request.path_info.startswith(API_PREFIX):
+        body = error_body("Your request could not be read.", "invalid_request_error",
+                          "bad_request")
+        return JsonResponse(body, status=400)
+    return defaults.bad_request(request, exception)
+
+
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's 404: JSON under /v1/, the usual page elsewhere."""
-    if request.path.startswith(API_PREFIX):
+    if request.path_info.startswith(API_PREFIX):
         body = error_body(
             f"Invalid URL ({request.method} {request.path})", "invalid_request_error", "not_found"
         )
@@ -93,7 +103,7 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
 
 def server_error(request: HttpRequest) -> HttpResponse:
     """Django's 500: JSON under /v1/, the usual page elsewhere."""
-    if request.path.startswith(API_PREFIX):
+    if request.path_info.startswith(API_PREFIX):
         body = error_body(
             "The server had an error processing your request.", "server_error", "internal_error"
         )

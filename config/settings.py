@@ -1,6 +1,7 @@
 """Settings, all read from the environment (see docs/running.md for the full table).
 
-Defaults suit a laptop: DEBUG on, SQLite in the project folder, Redis on localhost.
+Defaults: DEBUG off (the dev launcher, `make run`, turns it on), SQLite in the project
+folder, Redis on localhost.
 """
 
 import os
@@ -13,7 +14,9 @@ from config.env import env_bool, env_float, env_int, env_list, env_str, local_se
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEBUG = env_bool("DEBUG", True)
+# Off unless set: debug pages show settings and tracebacks. scripts/dev.py (make run/test)
+# sets DEBUG=true for a laptop; tests/settings.py does for pytest.
+DEBUG = env_bool("DEBUG", False)
 
 SECRET_KEY = env_str("SECRET_KEY")
 if not SECRET_KEY:
@@ -26,6 +29,13 @@ if not SECRET_KEY:
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+# The URL prefix the service is mounted under (Django's script name), e.g. "/llm" behind a
+# proxy that forwards /llm/... unchanged. daphne takes a client's `Daphne-Root-Path` header
+# as the root path (over its --root-path), so config/asgi.py replaces the scope's root path
+# with this one, unless a proxy in front sets that header on every request and strips
+# clients' (then TRUST_ROOT_PATH_HEADER=true).
+ROOT_PATH = env_str("ROOT_PATH", "")
+TRUST_ROOT_PATH_HEADER = env_bool("TRUST_ROOT_PATH_HEADER", False)
 
 INSTALLED_APPS = [
     "daphne",
@@ -132,6 +142,9 @@ SPECTACULAR_SETTINGS = {
     ],
 }
 
+# Request bodies (the API answers 400 request_too_large past it): Django's default, 2.5 MB.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 2_621_440)
+
 # Redis: job queue and token pipe between web and the scheduler daemon.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The web's database calls from async code run on one thread that keeps its connection
@@ -157,6 +170,13 @@ MODEL_NAME = env_str("MODEL_NAME", "gemma-3-270m")
 CHAT_TEMPLATE = env_str("CHAT_TEMPLATE", "")  # empty: the GGUF's own template
 N_PARALLEL = env_int("N_PARALLEL", 4)
 N_CTX = env_int("N_CTX", 8192)
+# A prompt's text (a completion's prompt, or all chat message contents) in UTF-8 bytes,
+# refused before anything tokenizes it (web and daemon both check). Default: 32 bytes per
+# token of context, 256 KiB at N_CTX 8192. Text averages 3-5 bytes per Gemma token (CJK
+# ~3, code and runs of spaces more), so a prompt this size is already several times the
+# context: the cap refuses nothing that could fit, and tokenizing it costs ~0.1 s, not the
+# seconds a multi-megabyte prompt holds the daemon's intake for.
+MAX_PROMPT_BYTES = env_int("MAX_PROMPT_BYTES", 32 * N_CTX)
 N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
 # max_tokens of a request that names none (bounded by the context either way)

@@ -16,5 +16,6 @@ urlpatterns = [
     re_path(r"^v1/", csrf_exempt(errors.not_found)),  # API clients send no CSRF token
 ]
 
+handler400 = errors.bad_request
 handler404 = errors.not_found
 handler500 = errors.server_error

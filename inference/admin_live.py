@@ -35,9 +35,19 @@ class ActionRefused(Exception):
 # -- state -----------------------------------------------------------------------------------
 
 
+def tenant_pk(value: object) -> int | None:
+    """A tenant primary key from text ("12"), or None: ASCII digits only (``str.isdigit``
+    also takes "²", which ``int`` refuses), within a 64-bit key."""
+    if not isinstance(value, str) or not (0 < len(value) <= 18):
+        return None
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)
+
+
 def tenant_names(scopes: set[str]) -> dict[str, str]:
     """cache_scope (str(tenant.id)) -> tenant name, for the scopes that name a tenant."""
-    ids = {int(s) for s in scopes if s and s.isdigit()}
+    ids = {pk for pk in map(tenant_pk, scopes) if pk is not None}
     rows = Tenant.objects.filter(pk__in=ids).values_list("pk", "name")
     return {str(pk): name for pk, name in rows}
 
@@ -151,7 +161,8 @@ def command_daemon(request: HttpRequest, action: str, daemon_id: str, tenant_id:
         raise ActionRefused(f"No live daemon {daemon_id!r}.")
     tenant, args = None, {}
     if action == "evict_scope":
-        tenant = Tenant.objects.filter(pk=tenant_id).first() if tenant_id.isdigit() else None
+        pk = tenant_pk(tenant_id)
+        tenant = Tenant.objects.filter(pk=pk).first() if pk is not None else None
         if tenant is None:
             raise ActionRefused(f"No tenant {tenant_id!r}.")
         args = {"scope": str(tenant.pk)}
@@ -180,6 +191,8 @@ def _is_running(request_id: str) -> bool:
 
 
 def _is_uuid(value: str) -> bool:
+    if not value.isascii():  # uuid.UUID takes any Unicode digits ("٠" * 32)
+        return False
     try:
         uuid.UUID(value)
     except ValueError:

@@ -7,12 +7,13 @@ which is how a vanished client's request gets cancelled.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -27,7 +28,7 @@ from inference.openai_format import (
     Formatter,
     sse_frame,
 )
-from inference.openai_request import CHAT, COMPLETION, parse_request
+from inference.openai_request import CHAT, COMPLETION, load_json, parse_request
 
 KEEPALIVE_IDLE_TICKS = 15  # an SSE comment after this many idle seconds
 
@@ -98,11 +99,14 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
 
 
 def _json_body(request: HttpRequest) -> Any:
+    """The body as JSON; every way it can be wrong is a 400 in the API's shape."""
     try:
-        return json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "We could not parse the JSON body of your request.",
-                       "parse_error") from None
+        raw = request.body
+    except RequestDataTooBig:
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        raise ApiError(400, f"The request body is larger than {limit} bytes.",
+                       "request_too_large", limit_bytes=limit) from None
+    return load_json(raw)
 
 
 def _sse_response(formatter: Formatter,

@@ -4,12 +4,17 @@ Sampling fields are checked by ``scheduler_daemon.sampling`` and chat messages b
 ``scheduler_daemon.chat`` (pure Python, no llama_cpp), so the web refuses exactly what the
 daemon would. Every refusal is a 400 naming the field. The list of accepted fields is in
 docs/api.md; anything else is refused as ``unknown_parameter``.
+
+Text must be valid Unicode (no lone surrogates) wherever it enters, and what may reach the
+database (``session``/``user``) has no NUL character (PostgreSQL text cannot hold one). A
+prompt's UTF-8 size is capped by ``MAX_PROMPT_BYTES`` before anything tokenizes it.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from django.conf import settings
 
@@ -17,11 +22,14 @@ from inference.api_errors import ApiError, invalid
 from scheduler_daemon import protocol
 from scheduler_daemon.chat import parse_messages
 from scheduler_daemon.errors import InvalidParameter
-from scheduler_daemon.sampling import FIELD_NAMES, SamplingParams
+from scheduler_daemon.sampling import FIELD_NAMES, SamplingParams, require_text
 
 COMPLETION = "completion"
 CHAT = "chat"
 MAX_SESSION_CHARS = 200
+# JSON bodies nested deeper are refused (a JSON schema needs a handful of levels). Python's
+# json module would raise RecursionError near 1000, and deep values break later code.
+MAX_JSON_DEPTH = 64
 
 _COMMON = {
     "model", "stream", "stream_options", "n", "max_completion_tokens", "response_format",
@@ -86,13 +94,56 @@ class ParsedRequest:
     session: str = ""
     cache_prompt: bool | None = None
 
-    def job(self, request_id: str, tenant_id: str) -> protocol.Job:
-        """The queued form; the cache scope is the tenant, whatever the client sent."""
+    def job(self, request_id: str, tenant_id: str,
+            max_queued: int | None = None) -> protocol.Job:
+        """The queued form; the cache scope is the tenant, whatever the client sent.
+        ``max_queued``: the tenant's own cap on waiting jobs (None: the daemon's default)."""
         return protocol.Job(
             id=request_id, kind=self.kind, model=self.model, tenant_id=tenant_id,
             cache_scope=tenant_id, prompt=self.prompt, messages=self.messages,
             params=self.params, session=self.session or None, cache_prompt=self.cache_prompt,
+            max_queued=max_queued,
         )
+
+
+def load_json(raw: bytes | str) -> Any:
+    """A request body's JSON; ApiError 400 ``parse_error`` when it is not JSON (not UTF-8,
+    NaN/Infinity, nested deeper than MAX_JSON_DEPTH)."""
+    try:
+        # Strict UTF-8 (RFC 8259): json.loads would guess UTF-16/32 for bytes, and decode
+        # UTF-8-encoded surrogates ("surrogatepass") into text no encoder takes back.
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        value = json.loads(text or "null", parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise ApiError(400, "We could not parse the JSON body of your request.",
+                       "parse_error") from None
+    if _brackets(raw) > MAX_JSON_DEPTH and _nested_deeper(value, MAX_JSON_DEPTH):
+        raise ApiError(400, f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
+                       "parse_error")
+    return value
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _brackets(raw: bytes | str) -> int:
+    """How many ``[`` and ``{`` the text holds: a bound on its depth, quick to count."""
+    if isinstance(raw, str):
+        return raw.count("[") + raw.count("{")
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists/objects nest more than ``limit`` levels (iterative: no recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def parse_request(kind: str, body: Any) -> ParsedRequest:
@@ -138,7 +189,33 @@ def _model(value: Any) -> str:
         return settings.MODEL_NAME
     if not isinstance(value, str) or not value:
         raise invalid("model", "model must be a non-empty string.")
+    return _text("model", value, nul=False)
+
+
+def _text(name: str, value: str, nul: bool = True) -> str:
+    """``value`` if it is valid Unicode (and, unless ``nul``, holds no NUL character)."""
+    try:
+        require_text(name, value)
+    except InvalidParameter as exc:
+        _refuse(exc)
+    if not nul and "\x00" in value:
+        raise invalid(name, f"{name} must not contain NUL characters.")
     return value
+
+
+def _refuse(exc: InvalidParameter) -> NoReturn:
+    raise invalid(exc.param, exc.message) from None
+
+
+def _check_size(param: str, size: int) -> None:
+    """The prompt's text is at most MAX_PROMPT_BYTES of UTF-8 (checked before tokenizing)."""
+    limit = settings.MAX_PROMPT_BYTES
+    if size > limit:
+        raise ApiError(
+            400, f"The {param} text is {size} bytes (UTF-8); this server takes at most "
+            f"{limit} bytes (MAX_PROMPT_BYTES).", "context_length_exceeded", param,
+            prompt_bytes=size, max_prompt_bytes=limit,
+        )
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -159,6 +236,8 @@ def _include_usage(options: Any) -> bool:
 
 
 def _session(body: dict[str, Any]) -> str:
+    """``session``, else OpenAI's ``user`` (cut to MAX_SESSION_CHARS); both are checked."""
+    found = []
     for name in ("session", "user"):
         value = body.get(name)
         if value is None:
@@ -167,8 +246,8 @@ def _session(body: dict[str, Any]) -> str:
             raise invalid(name, f"{name} must be a string.")
         if name == "session" and len(value) > MAX_SESSION_CHARS:
             raise invalid(name, f"session must have at most {MAX_SESSION_CHARS} characters.")
-        return value[:MAX_SESSION_CHARS]
-    return ""
+        found.append(_text(name, value, nul=False))
+    return found[0][:MAX_SESSION_CHARS] if found else ""
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -177,7 +256,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
     try:
         pairs = parse_messages(value)
     except InvalidParameter as exc:
-        raise invalid(exc.param, exc.message) from None
+        _refuse(exc)
+    _check_size("messages", sum(len(text.encode("utf-8")) for _, text in pairs))
     return [{"role": role, "content": text} for role, text in pairs]
 
 
@@ -189,6 +269,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise invalid("prompt", "prompt must not be empty.", "empty_prompt")
+        _check_size("prompt", len(_text("prompt", value).encode("utf-8")))
         return value
     if isinstance(value, list) and all(type(t) is int and t >= 0 for t in value):
         if not value:

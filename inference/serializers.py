@@ -1,4 +1,4 @@
-from datetime import timedelta
+from datetime import date, timedelta
 
 from django.utils import timezone
 from rest_framework import serializers
@@ -33,6 +33,9 @@ class UsageQuerySerializer(serializers.Serializer):
     """?start=&end= (ISO dates, inclusive, UTC); both default to the current month."""
 
     MAX_DAYS = 366
+    # Far enough from date.max that the range arithmetic (start + 30 days, end + 1 day)
+    # cannot overflow; far past any history row.
+    LAST_DAY = date(9999, 11, 30)
 
     start = serializers.DateField(required=False, input_formats=["iso-8601"])
     end = serializers.DateField(required=False, input_formats=["iso-8601"])
@@ -41,6 +44,10 @@ class UsageQuerySerializer(serializers.Serializer):
         for name in ("start", "end"):
             if name in self.initial_data and name not in attrs:  # sent empty
                 raise serializers.ValidationError({name: "Give a date as YYYY-MM-DD."})
+        for name in ("start", "end"):
+            if name in attrs and attrs[name] > self.LAST_DAY:
+                raise serializers.ValidationError(
+                    {name: f"Give a date on or before {self.LAST_DAY.isoformat()}."})
         today = timezone.now().date()
         start = attrs.get("start") or today.replace(day=1)
         end = attrs.get("end") or (today if "start" not in attrs else start + timedelta(days=30))

@@ -30,7 +30,8 @@ from scheduler_daemon import protocol
 
 log = logging.getLogger(__name__)
 
-_EVENT_ID = re.compile(r"^\d+-\d+$")
+# A Redis stream entry id: two unsigned 64-bit integers (at most 20 ASCII digits each).
+_EVENT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}", re.ASCII)
 BLOCK_MS = 1000  # longest single XREAD BLOCK: the dead-daemon check runs at least this often
 # A model seen served this recently is taken as live when a request is queued; a daemon that
 # died since is caught by the wait for its answer (``_wait_first`` asks afresh).
@@ -218,8 +219,12 @@ async def _ended_before(request_id: str, after: str) -> bool:
 
 
 def is_event_id(value: object) -> bool:
-    """Whether ``value`` looks like a Redis stream entry id ("1712345678901-0")."""
-    return isinstance(value, str) and bool(_EVENT_ID.match(value))
+    """Whether ``value`` is a Redis stream entry id ("1712345678901-0"): ASCII digits, the
+    whole string (no trailing newline), each part within 64 bits."""
+    if not isinstance(value, str) or _EVENT_ID.fullmatch(value) is None:
+        return False
+    ms, _, seq = value.partition("-")
+    return int(ms) < 2**64 and int(seq) < 2**64
 
 
 def _id_key(entry_id: str | None) -> tuple[int, int]:

@@ -2,6 +2,7 @@ from datetime import UTC, date, datetime, time, timedelta
 
 from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate
+from django.utils.dateparse import parse_datetime
 from django.views.generic import TemplateView
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -12,7 +13,7 @@ from drf_spectacular.utils import (
 )
 from rest_framework import exceptions, permissions, serializers, viewsets
 from rest_framework.decorators import action
-from rest_framework.pagination import CursorPagination
+from rest_framework.pagination import Cursor, CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -71,6 +72,19 @@ class HistoryPagination(CursorPagination):
     page_size = 50
     page_size_query_param = "limit"
     max_page_size = 500
+
+    def decode_cursor(self, request: Request) -> Cursor | None:
+        """DRF's, and the position must be a timestamp: a forged cursor's position would
+        otherwise reach the ``created`` filter (a ValidationError there is a 500)."""
+        cursor = super().decode_cursor(request)
+        if cursor is not None and cursor.position is not None:
+            try:
+                valid = parse_datetime(cursor.position) is not None
+            except ValueError:  # well-formed but impossible (month 13)
+                valid = False
+            if not valid:
+                raise exceptions.NotFound(self.invalid_cursor_message)
+        return cursor
 
 
 @extend_schema_view(

@@ -82,6 +82,24 @@ def _integer(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+def require_text(name: str, value: str) -> str:
+    """``value`` when it is valid Unicode text, else InvalidParameter naming ``name``.
+
+    JSON can carry lone surrogates (``"\\ud800"``): Python keeps them in a ``str``, but
+    they have no UTF-8 form, so anything that encodes the text (the tokenizer, llama.cpp,
+    the database) would fail on them. Every client text is checked here (or by
+    ``chat._content_text``) before it goes anywhere.
+    """
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidParameter(
+                name, f"is not valid Unicode text (a lone surrogate at character {exc.start})"
+            ) from None
+    return value
+
+
 def _stop(name: str, value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
@@ -90,7 +108,7 @@ def _stop(name: str, value: Any) -> tuple[str, ...]:
         raise InvalidParameter(name, f"at most {MAX_STOP_STRINGS} stop strings")
     if any(not s or len(s) > MAX_STOP_CHARS for s in items):
         raise InvalidParameter(name, f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
-    return tuple(items)
+    return tuple(require_text(name, s) for s in items)
 
 
 def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:

