@@ -340,18 +340,26 @@ class LlamaEngine:
         return LlamaSampler(self, params)
 
     def grammar_for(self, params: SamplingParams) -> tuple[str, str] | None:
-        """(field, GBNF) for a request's grammar or JSON schema, if it has one."""
+        """(field, GBNF) for a request's grammar or JSON schema, if it has one; only a
+        grammar that ``grammar_check`` shows llama.cpp's parser survives comes out."""
+        from .grammar_check import check_grammar
+
         if params.grammar is not None:
-            return "grammar", params.grammar
+            return "grammar", check_grammar(params.grammar, "grammar")
         if params.json_schema is not None:
             try:
-                return "json_schema", json_schema_to_gbnf(params.json_schema)
+                gbnf = json_schema_to_gbnf(params.json_schema)
             except (
                 Exception
             ) as exc:  # the converter raises bare exceptions on schemas it cannot express
                 raise InvalidParameter(
                     "json_schema", f"cannot be turned into a grammar: {exc}"
                 ) from None
+            try:
+                return "json_schema", check_grammar(gbnf, "json_schema")
+            except InvalidParameter as exc:  # a schema can still yield a huge grammar
+                reason = exc.message.removeprefix("json_schema: ")
+                raise InvalidParameter("json_schema", f"its grammar is refused: {reason}") from None
         return None
 
     # -- chat templates ------------------------------------------------------------

@@ -58,11 +58,13 @@ from .errors import InvalidParameter
 # -- limits (see the measurements above) --------------------------------------------------
 
 MAX_GRAMMAR_BYTES = 128 * 1024
-MAX_NESTING = 256
+MAX_NESTING = 512
 MAX_REPETITION = 1000
 MAX_RULES = 4096
 MAX_ELEMENTS = 200_000
-MAX_STACKS = 1024
+MAX_STACKS = 256
+MAX_ADVANCE_STATES = 4096
+MAX_LEFT_DEPTH = 512
 MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -71,7 +73,7 @@ MAX_SCHEMA_DEPTH = 32
 MAX_SCHEMA_NODES = 10_000
 MAX_SCHEMA_PROPERTIES = 128
 MAX_SCHEMA_COUNT = 1000  # minLength/minItems/... and a pattern's {m}: copies in the grammar
-MAX_SCHEMA_OPTIONAL = 200  # max - min (maxLength alone, {m,n}): nested groups in the grammar
+MAX_SCHEMA_OPTIONAL = 256  # max - min (maxLength alone, {m,n}): nested groups in the grammar
 MAX_SCHEMA_NUMBER = 10**18  # |minimum|, |maximum|, ...: at most 18 digits
 MAX_PATTERN_NESTING = 32
 
@@ -410,7 +412,7 @@ def _short(name: str) -> str:
     return name if len(name) <= 40 else name[:40] + "..."
 
 
-def _analyse(p: _Parser) -> None:
+def _analyse(p: _Parser) -> dict[str, int]:
     """What llama.cpp does after parsing: left-recursion scan, then the initial stacks."""
     rules: list[list[list[int]]] = p.rules  # type: ignore[assignment]  # all defined now
     n = len(rules)
@@ -503,44 +505,75 @@ def _analyse(p: _Parser) -> None:
                     visited[i] = True
                     todo.append(i)
 
-    # Parse stacks: advancing from a rule reference pushes one stack per way to reach a
-    # terminal (t) and falls through once per way to match nothing (z).
+    # How deep llama.cpp's left-recursion scan recurses (native stack), and how long the
+    # parse stacks built while advancing get.
+    depth = [0] * n
+    for rid in order:
+        depth[rid] = 1 + max((depth[i] for i in edges[rid]), default=0)
+        if depth[rid] > MAX_LEFT_DEPTH:
+            raise _GrammarError(
+                f"rule '{_short(p.names[rid])}' starts with a chain of more than "
+                f"{MAX_LEFT_DEPTH} rules"
+            )
+
+    # Parse stacks (llama_grammar_advance_stack): advancing from a rule reference visits
+    # t intermediate stacks, keeps f of them (those topped by a terminal) and falls
+    # through z times (ways to match nothing). Upper bounds: equal stacks are merged.
     t_rule = [0] * n
+    f_rule = [0] * n
     z_rule = [0] * n
     for rid in order:
-        t_sum = z_sum = 0
+        t_sum = f_sum = z_sum = 0
         for alt in rules[rid]:
-            ways, t = 1, 0
+            ways, t, f = 1, 0, 0
             for i in alt:
                 if i < 0:
-                    t, ways = t + ways, 0
+                    t, f, ways = t + ways, f + ways, 0
                     break
                 t = min(_CAP, t + ways * (1 + t_rule[i]))
+                f = min(_CAP, f + ways * f_rule[i])
                 ways = min(_CAP, ways * z_rule[i])
                 if not ways:
                     break
             t_sum = min(_CAP, t_sum + t)
+            f_sum = min(_CAP, f_sum + f)
             z_sum = min(_CAP, z_sum + ways)
-        t_rule[rid], z_rule[rid] = t_sum, z_sum
+        t_rule[rid], f_rule[rid], z_rule[rid] = t_sum, f_sum, z_sum
     root = p.symbols["root"]
-    worst, where = t_rule[root] + z_rule[root], root
-    # ... and from any position a match can reach (each sampled character advances one)
+    worst_t = worst_f = (t_rule[root] + z_rule[root], f_rule[root] + z_rule[root], root)
+    # ... and from every position inside a rule: each accepted character advances one
     for rid, alts in enumerate(rules):
         for alt in alts:
-            t_next, z_next = 0, 1
+            t_next, f_next, z_next = 0, 0, 1
             for i in reversed(alt):
                 if i < 0:
-                    t_next, z_next = 1, 0
+                    t_next, f_next, z_next = 1, 1, 0
                 else:
                     t_next = min(_CAP, 1 + t_rule[i] + z_rule[i] * t_next)
+                    f_next = min(_CAP, f_rule[i] + z_rule[i] * f_next)
                     z_next = min(_CAP, z_rule[i] * z_next)
-                if t_next > worst:
-                    worst, where = t_next, rid
-    if worst > MAX_STACKS:
+                if t_next > worst_t[0]:
+                    worst_t = (t_next, f_next, rid)
+                if f_next > worst_f[1]:
+                    worst_f = (t_next, f_next, rid)
+    if worst_f[1] > MAX_STACKS:
         raise _GrammarError(
-            f"too ambiguous: rule '{_short(p.names[where])}' fans out into more than "
-            f"{MAX_STACKS} parse stacks"
+            f"too ambiguous: rule '{_short(p.names[worst_f[2]])}' can match more than "
+            f"{MAX_STACKS} ways at once (parse stacks)"
         )
+    if worst_t[0] > MAX_ADVANCE_STATES:
+        raise _GrammarError(
+            f"too ambiguous: rule '{_short(p.names[worst_t[2]])}' expands into more than "
+            f"{MAX_ADVANCE_STATES} partial parses"
+        )
+    return {
+        "rules": n,
+        "elements": p.elements,
+        "left_scan": total,
+        "left_depth": max(depth, default=0),
+        "stacks": worst_f[1],
+        "states": worst_t[0],
+    }
 
 
 def check_grammar(text: Any, field: str = "grammar") -> str:
@@ -569,11 +602,12 @@ def check_grammar(text: Any, field: str = "grammar") -> str:
 
 
 def grammar_stats(text: str) -> dict[str, int]:
-    """Counts for an accepted grammar (rules and elements after expansion): for tests."""
+    """The counts the limits apply to, for a grammar ``check_grammar`` accepts (rules and
+    elements after expansion, left-recursion scan steps and depth, worst fan-out)."""
     check_grammar(text)
     parser = _Parser(text)
     parser.parse()
-    return {"rules": len(parser.names), "elements": parser.elements}
+    return _analyse(parser)
 
 
 # -- JSON schema ----------------------------------------------------------------------------
@@ -661,8 +695,9 @@ def _check_counts(field: str, schema: Mapping[str, Any]) -> None:
             raise InvalidParameter(field, f"{low_key} is greater than {high_key}")
         if high - low > MAX_SCHEMA_OPTIONAL:
             raise InvalidParameter(
-                field, f"{high_key} - {low_key} above {MAX_SCHEMA_OPTIONAL} "
-                "(each optional repetition nests a group in the grammar)"
+                field,
+                f"{high_key} - {low_key} above {MAX_SCHEMA_OPTIONAL} "
+                "(each optional repetition nests a group in the grammar)",
             )
     for key in _NUMBER_KEYWORDS & schema.keys():
         value = schema[key]

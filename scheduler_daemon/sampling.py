@@ -129,20 +129,24 @@ def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _grammar(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidParameter(name, "must be a non-empty GBNF grammar string")
-    return value
+    from .grammar_check import check_grammar  # bounds llama.cpp's parser can survive
+
+    return check_grammar(value, name)
 
 
 def _json_schema(name: str, value: Any) -> str:
+    from .grammar_check import MAX_SCHEMA_BYTES, check_json_schema
+
     if isinstance(value, str):
+        if len(value) > MAX_SCHEMA_BYTES:
+            raise InvalidParameter(name, f"longer than {MAX_SCHEMA_BYTES} bytes")
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidParameter(name, "is not valid JSON") from None
     if not isinstance(value, dict):
         raise InvalidParameter(name, "must be a JSON object (a JSON Schema)")
-    return json.dumps(value, sort_keys=True)
+    return check_json_schema(value, name)
 
 
 def _bool(name: str, value: Any) -> bool:
