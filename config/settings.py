@@ -172,10 +172,11 @@ N_PARALLEL = env_int("N_PARALLEL", 4)
 N_CTX = env_int("N_CTX", 8192)
 # A prompt's text (a completion's prompt, or all chat message contents) in UTF-8 bytes,
 # refused before anything tokenizes it (web and daemon both check). Default: 32 bytes per
-# token of context, 256 KiB at N_CTX 8192. Text averages 3-5 bytes per Gemma token (CJK
-# ~3, code and runs of spaces more), so a prompt this size is already several times the
-# context: the cap refuses nothing that could fit, and tokenizing it costs ~0.1 s, not the
-# seconds a multi-megabyte prompt holds the daemon's intake for.
+# token of context, 256 KiB at N_CTX 8192. Gemma's longest token is 31 bytes (a run of
+# spaces), so no prompt that fits the context is refused for its bytes; ordinary text runs
+# 3-6 bytes per token (English ~3.2, CJK ~6), so 256 KiB is ~10x what fits. Tokenizing
+# grows faster than linearly: 32 KiB ~0.08 s, 256 KiB ~0.7-1.1 s, 512 KiB ~4 s (one
+# core of the shared 2-core dev machine, under load): the cap bounds that cost.
 MAX_PROMPT_BYTES = env_int("MAX_PROMPT_BYTES", 32 * N_CTX)
 N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
