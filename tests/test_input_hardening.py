@@ -380,3 +380,11 @@ def test_a_disallowed_host_under_v1_is_a_json_400(api, settings):
     settings.ALLOWED_HOSTS = ["testserver"]
     response = api.get("/v1/health", HTTP_HOST="evil.example")
     assert error_of(response)["code"] == "bad_request"
+
+
+@pytest.mark.asyncio
+async def test_static_files_are_served_with_debug_off(settings):
+    """DEBUG is off by default now: daphne still serves the admin's CSS (SERVE_STATIC)."""
+    assert settings.DEBUG is False  # pytest-django's default, and the setting's
+    status, body = await asgi_get("/static/admin/css/base.css", "")
+    assert status == 200 and b"{" in body
