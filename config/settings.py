@@ -183,6 +183,14 @@ CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
 # max_tokens of a request that names none (bounded by the context either way)
 DEFAULT_MAX_TOKENS = env_int("DEFAULT_MAX_TOKENS", 512)
 MAX_QUEUE = env_int("MAX_QUEUE", 64)
+# Fair shares (docs/security.md): waiting jobs one tenant may hold in a daemon's queue (a
+# tenant's own `max_queued` wins), and the most of the KV budget one tenant's running
+# requests may reserve (also the most one request may ask for: prompt + max_tokens).
+MAX_QUEUE_PER_TENANT = env_int("MAX_QUEUE_PER_TENANT", max(1, MAX_QUEUE // 2))
+KV_TENANT_SHARE = env_float("KV_TENANT_SHARE", 0.5)
+# Test-only: a job whose prompt holds scheduler_daemon.transport.FAULT_MARKER aborts the
+# daemon process (to test the supervisor and the quarantine). Never on in production.
+FAULT_INJECTION = env_bool("FAULT_INJECTION", False)
 N_THREADS = env_int("N_THREADS", os.cpu_count() or 1)
 KV_BLOCK_TOKENS = env_int("KV_BLOCK_TOKENS", 256)
 CACHE_PROMPT = env_bool("CACHE_PROMPT", True)
