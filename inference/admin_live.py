@@ -1,4 +1,5 @@
-"""Live admin pages: queue, slots, cache entries and daemons, from the daemons' snapshots.
+"""Live admin pages: queue, slots, cache entries and daemons, from the daemons' snapshots;
+the quarantine (requests that crashed daemons), from Redis.
 
 The pages are plain admin templates that poll ``live/state.json`` about once a second;
 the state is read from Redis only (``broker.live_daemons_sync``), so looking never slows
@@ -7,6 +8,8 @@ staff-only POSTs, each written to the admin log. No prompt or completion text ap
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any
@@ -23,8 +26,12 @@ from django.views.decorators.http import require_POST
 from accounts.models import Tenant
 from inference import broker
 from inference.models import InferenceRequest
+from scheduler_daemon import protocol
 
-PAGES = {"queue": "Queue", "slots": "Slots", "cache": "Cache entries", "daemons": "Daemons"}
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+
+PAGES = {"queue": "Queue", "slots": "Slots", "cache": "Cache entries", "daemons": "Daemons",
+         "quarantine": "Quarantine"}
 DAEMON_ACTIONS = {"drain", "resume", "evict_scope"}
 
 
@@ -89,7 +96,8 @@ def daemon_summary(snap: dict[str, Any], now: float) -> dict[str, Any]:
 def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:
     """Everything the live pages show, flattened to rows, tenants named."""
     now = time.time() if now is None else now
-    names = tenant_names(_scopes(snaps))
+    quarantine = quarantined()
+    names = tenant_names(_scopes(snaps) | {str(q.get("tenant_id")) for q in quarantine})
     state: dict[str, Any] = {"now": now, "daemons": [], "queue": [], "slots": [], "cache": []}
 
     def named(row: dict[str, Any], daemon_id: Any) -> dict[str, Any]:
@@ -98,6 +106,10 @@ def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[st
         return {**row, "daemon_id": daemon_id, "cache_scope": scope,
                 "tenant": names.get(scope or "", scope)}
 
+    state["quarantine"] = [
+        {**row, "tenant": names.get(str(row.get("tenant_id")), row.get("tenant_id"))}
+        for row in quarantine
+    ]
     for snap in sorted(snaps, key=lambda s: str(s.get("daemon_id"))):
         daemon_id = snap.get("daemon_id")
         state["daemons"].append(daemon_summary(snap, now))
@@ -107,6 +119,23 @@ def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[st
         entries = (snap.get("cache") or {}).get("entries") or []
         state["cache"] += [named(e, daemon_id) for e in entries]
     return state
+
+
+def quarantined() -> list[dict[str, Any]]:
+    """Requests that were running at two daemon deaths (docs/daemon.md), newest first."""
+    rows = []
+    for fingerprint, raw in broker.sync_client().hgetall(protocol.QUARANTINE_HASH).items():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = {}
+        if isinstance(record, dict):
+            rows.append({**record, "fingerprint": _text(fingerprint)})
+    return sorted(rows, key=lambda r: -float(r.get("at") or 0))
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # -- views -------------------------------------------------------------------------------------
@@ -128,11 +157,14 @@ def state_view(request: HttpRequest) -> JsonResponse:
 
 @require_POST
 def action_view(request: HttpRequest) -> JsonResponse:
-    """cancel (request_id), evict_scope (daemon_id, tenant_id), drain / resume (daemon_id)."""
+    """cancel (request_id), evict_scope (daemon_id, tenant_id), drain / resume (daemon_id),
+    release (fingerprint: a quarantined request)."""
     action, form = request.POST.get("action", ""), request.POST
     try:
         if action == "cancel":
             message = cancel_request(request, form.get("request_id", ""))
+        elif action == "release":
+            message = release_quarantined(request, form.get("fingerprint", ""))
         elif action in DAEMON_ACTIONS:
             message = command_daemon(request, action, form.get("daemon_id", ""),
                                      form.get("tenant_id", ""))
@@ -153,6 +185,18 @@ def cancel_request(request: HttpRequest, request_id: str) -> str:
     broker.publish_cancel_sync(request_id)
     log_action(request, f"Cancelled request {request_id}", row, repr_=f"request {request_id}")
     return f"Cancel sent for request {request_id}."
+
+
+def release_quarantined(request: HttpRequest, fingerprint: str) -> str:
+    """Let a quarantined request be run again (after the llama.cpp bug is fixed...)."""
+    if not _FINGERPRINT.fullmatch(fingerprint):
+        raise ActionRefused(f"Not a request fingerprint: {fingerprint!r}.")
+    if not broker.sync_client().hdel(protocol.QUARANTINE_HASH, fingerprint):
+        raise ActionRefused(f"No quarantined request {fingerprint}.")
+    broker.sync_client().delete(protocol.deaths_key(fingerprint))
+    log_action(request, f"Released quarantined request {fingerprint}", None,
+               repr_=f"quarantine {fingerprint[:12]}")
+    return f"Released {fingerprint[:12]}: it may run again."
 
 
 def command_daemon(request: HttpRequest, action: str, daemon_id: str, tenant_id: str) -> str:

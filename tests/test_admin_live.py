@@ -67,7 +67,7 @@ def test_state_names_tenants_and_summarises_daemons(admin_client, daemon, partie
     assert entry["tenant"] == "Alpha" and entry["bytes"] == 4096
 
 
-@pytest.mark.parametrize("page", ["queue", "slots", "cache", "daemons"])
+@pytest.mark.parametrize("page", ["queue", "slots", "cache", "daemons", "quarantine"])
 def test_live_pages_render_in_the_admin(admin_client, page):
     body = admin_client.get(f"/admin/live/{page}/").content.decode()
     assert 'data-page="' + page + '"' in body and "admin_live.js" in body
@@ -185,3 +185,26 @@ def test_tenant_usage_columns(admin_client, parties, django_assert_max_num_queri
     assert (alpha.requests_30d, alpha.tokens_30d) == (3, 165)
     with django_assert_max_num_queries(12):
         admin_client.get("/admin/accounts/tenant/")
+
+
+def test_quarantined_requests_are_listed_and_can_be_released(admin_client, redis_client, parties):
+    fingerprint = "ab" * 32
+    record = {"request_id": str(uuid.uuid4()), "tenant_id": str(parties.a.pk), "model": "m",
+              "kind": "chat", "deaths": 2, "last_daemon": "d1", "at": time.time()}
+    redis_client.hset(protocol.QUARANTINE_HASH, fingerprint, json.dumps(record))
+    redis_client.set(protocol.deaths_key(fingerprint), 2)
+    try:
+        [row] = admin_client.get(STATE_URL).json()["quarantine"]
+        assert row["fingerprint"] == fingerprint and row["tenant"] == "Alpha"
+        assert row["deaths"] == 2 and "prompt" not in row
+        refused = admin_client.post(ACTION_URL, {"action": "release", "fingerprint": "²" * 64})
+        assert refused.status_code == 400
+        released = admin_client.post(ACTION_URL, {"action": "release", "fingerprint": fingerprint})
+        assert released.status_code == 200
+        assert not redis_client.hexists(protocol.QUARANTINE_HASH, fingerprint)
+        assert not redis_client.exists(protocol.deaths_key(fingerprint))
+        assert "Released" in LogEntry.objects.get().change_message
+        again = admin_client.post(ACTION_URL, {"action": "release", "fingerprint": fingerprint})
+        assert again.status_code == 400
+    finally:
+        redis_client.hdel(protocol.QUARANTINE_HASH, fingerprint)

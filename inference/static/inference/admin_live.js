@@ -94,6 +94,14 @@
                                      tenant_id: e.cache_scope},
                                      `Evict every cache entry of ${e.tenant} on ${d.daemon_id}?`) : ""]),
             "Nothing cached.")]).concat(s.daemons.length ? [] : [el("p", {}, ["No live daemon."])]),
+    quarantine: (s) => [table(
+      [["Fingerprint"], ["Request id"], ["Tenant"], ["Model"], ["Kind"], ["Deaths", "num"],
+       ["Last daemon"], ["Since"], [""]],
+      s.quarantine.map((q) => [q.fingerprint.slice(0, 12), q.request_id, q.tenant, q.model, q.kind,
+                               q.deaths, q.last_daemon, new Date(q.at * 1000).toLocaleString(),
+                               button("Release", {action: "release", fingerprint: q.fingerprint},
+                                      "Let this request run again? It crashed a daemon twice.")]),
+      "No request is quarantined.")],
     daemons: (s) => [table(
       [["Daemon"], ["Model"], ["Host / pid"], ["Heartbeat", "num"], ["Uptime", "num"], ["State"],
        ["Slots busy"], ["Queue", "num"], ["KV blocks"], ["Settings"], ["Requests", "num"],
