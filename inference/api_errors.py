@@ -13,6 +13,7 @@ _FAILURE_STATUS = {
     protocol.INFERENCE_INTERRUPTED: 503,
     "context_full": 503,
     "timeout": 504,
+    "invalid_request_error": 400,  # the request's own fault found while running (its grammar)
 }
 _REFUSAL_KEYS = {
     "code", "message", "param", "status", "type", "finish_reason", "stop", "usage", "timings",

@@ -425,7 +425,12 @@ class LlamaEngine:
 
 
 class SamplingFailed(EngineError, RowFailed):
-    """This request's sampler could not pick a token (its grammar allows none)."""
+    """This request's sampler could not pick a token (its grammar allows none): the
+    request's own fault, answered as ``invalid_request_error`` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        RowFailed.__init__(self, message, "invalid_request_error" if param else "engine_error",
+                           param)
 
 
 class LlamaSampler:
@@ -445,6 +450,7 @@ class LlamaSampler:
         self._engine = engine
         self._chain = None
         self._constraints = None
+        self._grammar_field = "grammar"
         self.seed = params.seed if params.seed is not None else random.getrandbits(32) % (2**32 - 1)
         bias = dict(params.logit_bias)
         for token in bias:
@@ -481,6 +487,7 @@ class LlamaSampler:
     def _build_constraints(self, params: SamplingParams, grammar: tuple[str, str]) -> None:
         self._add(self._constraints, _penalties_sampler(self._engine.n_vocab, params))
         field, gbnf = grammar
+        self._grammar_field = field
         try:
             data = gbnf.encode("utf-8")
         except UnicodeEncodeError:
@@ -545,7 +552,10 @@ class LlamaSampler:
         that ``ignore_eos`` forbids (then the grammar is complete: ``GrammarEnded``)."""
         allowed = np.isfinite(cand["logit"])
         if not allowed.any():
-            raise SamplingFailed("the grammar allows no token here")
+            raise SamplingFailed(
+                f"{self._grammar_field}: the grammar allows no token after what was generated",
+                self._grammar_field,
+            )
         if self._ignore_eos:
             others = allowed.copy()
             others[self._engine.eog_tokens] = False

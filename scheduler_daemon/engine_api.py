@@ -28,4 +28,10 @@ class GrammarEnded(Exception):
 
 class RowFailed(Exception):
     """Something tied to one request failed (its sampler picked no token...): that
-    request ends with an error, alone; the batch and the loop carry on."""
+    request ends with an error, alone; the batch and the loop carry on. ``code`` and
+    ``param`` are what its client is told (``invalid_request_error`` when the request itself
+    is at fault, e.g. a grammar that allows no token)."""
+
+    def __init__(self, message: str, code: str = "engine_error", param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import errors
-from .engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow, GrammarEnded
+from .engine_api import (
+    DECODE_ABORTED,
+    DECODE_KV_FULL,
+    DECODE_OK,
+    BatchRow,
+    GrammarEnded,
+    RowFailed,
+)
 from .errors import Refusal
 from .jobs import (
     FINISH_REASON,
@@ -642,6 +649,8 @@ class Scheduler:
             log.error("request %s failed alone: %r", request_id, exc, exc_info=exc)
             self.counters["request_failures"] += 1
             error = {"code": errors.ENGINE_ERROR, "message": "this request failed in the engine"}
+            if isinstance(exc, RowFailed):
+                error = {"code": exc.code, "message": str(exc), "param": exc.param}
             try:
                 self._finish(job, Status.FINISHED_ERROR, error)
             except Exception:

@@ -89,7 +89,8 @@ def test_a_grammar_that_allows_no_token_fails_that_request_alone(core):
     bad = core.submit(prompt="Say a", params=dead)
     good = core.submit(prompt="Once upon a time", params=alive)
     failed = bad.result(timeout=120).finished
-    assert failed.finish_reason == "error" and failed.error["code"] == "engine_error"
+    assert failed.finish_reason == "error" and failed.error["code"] == "invalid_request_error"
+    assert failed.error["param"] == "grammar"
     assert good.result(timeout=120).finished.finish_reason == "length"
 
 
