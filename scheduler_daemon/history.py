@@ -25,10 +25,10 @@ _STATUS = {"stop": "done", "length": "done", "cancelled": "cancelled", "error": 
 def _update(request_id: str, only_if_status: str | None = None, **fields: Any) -> None:
     from inference.models import InferenceRequest
 
-    rows = InferenceRequest.objects.filter(id=request_id)
-    if only_if_status is not None:
-        rows = rows.filter(status=only_if_status)
     try:
+        rows = InferenceRequest.objects.filter(id=request_id)  # raises for a non-UUID id
+        if only_if_status is not None:
+            rows = rows.filter(status=only_if_status)
         with kept_connections():
             rows.update(**fields)
     except Exception:  # the history must never take the daemon down

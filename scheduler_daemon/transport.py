@@ -256,7 +256,10 @@ class DaemonTransport:
                 for entry_id, fields in entries:
                     if not self._intake_open.is_set():
                         return  # unread by us: reclaimed by the next daemon once we are gone
-                    self._take(_text(entry_id), fields)
+                    try:
+                        self._take(_text(entry_id), fields)
+                    except Exception:  # never let one entry stop the intake
+                        log.exception("could not take job entry %s", entry_id)
 
     def _take(self, entry_id: str, fields: dict[Any, Any]) -> None:
         """Queue a read job for the preparer (a malformed entry is dropped and counted)."""
@@ -489,6 +492,9 @@ class DaemonTransport:
                     self.reclaim_dead()
             except redis.RedisError:
                 log.exception("writing to Redis failed; retrying")
+                time.sleep(0.5)
+            except Exception:  # a bug here must not stop every stream of this daemon
+                log.exception("the event writer failed; carrying on")
                 time.sleep(0.5)
 
     def _flush(self) -> None:

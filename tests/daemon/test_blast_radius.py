@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import uuid
 
 import pytest
 
@@ -49,7 +50,12 @@ POISON = {
         prompt="Say a", params={"grammar": "root ::= [^\\x00-\\U0010FFFF]", "max_tokens": 4}
     ),
     "a malformed field from a rogue writer": dict(prompt="Say a", max_queued="many"),
+    "a request id that is not a UUID (history cannot hold it)": dict(
+        id="not-a-uuid", prompt="Say a", params={"max_tokens": 2}
+    ),
 }
+ANSWERED = {"a complete grammar with ignore_eos", "a request id that is not a UUID (history "
+            "cannot hold it)"}
 
 
 @pytest.mark.parametrize("name", list(POISON))
@@ -60,12 +66,16 @@ def test_a_poison_request_fails_alone(daemon, name):
     )
     daemon.wait_for(victim.id, "token")
     fields = dict(POISON[name])
+    if "id" in fields:
+        fields["id"] += uuid.uuid4().hex[:6]
     poison = daemon.enqueue(tenant_id="1", cache_scope="1", **fields)
     last_id, kind, data = daemon.events(poison.id)[-1]
     if name == "a complete grammar with ignore_eos":
         assert kind == "done" and data["finish_reason"] == "stop", data
         text = "".join(d["text"] for _, k, d in daemon.events(poison.id) if k == "token")
         assert text == "a"
+    elif name in ANSWERED:
+        assert kind == "done", data
     else:
         assert kind == "error", data
         assert data["code"] in ("invalid_request_error", "engine_error", "internal_error"), data
