@@ -64,7 +64,7 @@ MAX_RULES = 4096
 MAX_ELEMENTS = 200_000
 MAX_STACKS = 256
 MAX_ADVANCE_STATES = 4096
-MAX_LEFT_DEPTH = 512
+MAX_LEFT_DEPTH = 1024
 MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -82,8 +82,8 @@ _LLAMA_REPETITION_THRESHOLD = 2000
 # Saturation for the fan-out counts (they can grow exponentially with the rule count).
 _CAP = 1 << 62
 
-_SPACE = re.compile(r"(?:[ \t]|#[^\r\n\x00]*)*")
-_SPACE_NL = re.compile(r"(?:[ \t\r\n]|#[^\r\n\x00]*)*")
+_SPACE = re.compile(r"(?:[ \t]|#[^\r\n\x00]*+)*+")
+_SPACE_NL = re.compile(r"(?:[ \t\r\n]|#[^\r\n\x00]*+)*+")
 _NAME = re.compile(r"[a-zA-Z0-9-]+")
 _DIGITS = re.compile(r"[0-9]+")
 _LITERAL_RUN = re.compile(r'[^"\\\x00]+')
@@ -91,6 +91,20 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 _SIMPLE_ESCAPES = frozenset('trn\\"[]-')
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _DIGIT_SET = frozenset("0123456789")
+# One item of a sequence and the space after it (parse_sequence's common cases). Anything
+# this does not match (groups, {m,n}, malformed items) takes the character-level path.
+_ESCAPE = r"""\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[trn\\"\[\]-])"""
+_CLASS_CHAR = rf"(?:[^\]\\\x00]|{_ESCAPE})"
+_ITEM_BODY = (
+    rf'(?P<lit>"(?:[^"\\\x00]|{_ESCAPE})*+")'
+    rf"|(?P<cls>\[\^?(?>(?:{_CLASS_CHAR}(?:-(?!\]){_CLASS_CHAR})?)*)\])"
+    r"|(?P<name>[a-zA-Z0-9-]+)"
+    r"|(?P<tok>!?<\[[0-9]{1,10}\]>)"
+    r"|(?P<dot>\.)"
+    r"|(?P<rep>[*+?])"
+)
+_ITEM = re.compile(rf"(?:{_ITEM_BODY})(?:[ \t]|#[^\r\n\x00]*+)*+")
+_ITEM_NL = re.compile(rf"(?:{_ITEM_BODY})(?:[ \t\r\n]|#[^\r\n\x00]*+)*+")
 _WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 
 
@@ -234,6 +248,35 @@ class _Parser:
         frames = [_Frame(rule_id, False, 0)]
         while True:
             f = frames[-1]
+            m = _ITEM_NL.match(src, pos) if f.nested else _ITEM.match(src, pos)
+            if m is not None:  # the common items, lexed by one regex (slow path below)
+                kind = m.lastgroup
+                if kind == "rep":
+                    c = src[pos]
+                    lo, hi = (0, None) if c == "*" else (1, None) if c == "+" else (0, 1)
+                    self.repeat(f, name, lo, hi, pos)
+                else:
+                    f.last = len(f.cur)
+                    f.n_prev = 1
+                    if kind == "name":
+                        item = self.symbol(m.group(kind))
+                        self._add_elements(1)
+                    elif kind == "lit" or kind == "cls":
+                        # an upper bound on llama.cpp's elements: each takes >= 1 character
+                        n = m.end(kind) - m.start(kind) - 2 - (src[pos + 1] == "^")
+                        self._add_elements(n)
+                        item = -n
+                    else:
+                        if kind == "tok":
+                            digits = m.group(kind).rstrip("]>").rsplit("[", 1)[1]
+                            if int(digits) > MAX_TOKEN_ID:
+                                raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
+                        self._add_elements(1)
+                        item = -1
+                    if item != 0:
+                        f.cur.append(item)
+                pos = m.end()
+                continue
             c = src[pos]
             if c == '"':
                 pos += 1
