@@ -69,7 +69,7 @@ MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 
 MAX_SCHEMA_BYTES = 64 * 1024
-MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_NODES = 10_000
 MAX_SCHEMA_PROPERTIES = 128
 MAX_SCHEMA_COUNT = 1000  # minLength/minItems/... and a pattern's {m}: copies in the grammar
@@ -265,7 +265,7 @@ class _Parser:
                         # an upper bound on llama.cpp's elements: each takes >= 1 character
                         n = m.end(kind) - m.start(kind) - 2 - (src[pos + 1] == "^")
                         self._add_elements(n)
-                        item = -n
+                        item = -n if n else None  # "" and [] add nothing
                     else:
                         if kind == "tok":
                             digits = m.group(kind).rstrip("]>").rsplit("[", 1)[1]
@@ -273,7 +273,7 @@ class _Parser:
                                 raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
                         self._add_elements(1)
                         item = -1
-                    if item != 0:
+                    if item is not None:
                         f.cur.append(item)
                 pos = m.end()
                 continue
