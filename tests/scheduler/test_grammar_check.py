@@ -1,0 +1,753 @@
+"""Tenants' grammars and JSON schemas are checked before llama.cpp's grammar parser sees them
+(``scheduler_daemon/grammar_check.py``): the unit tests need no model; the differential
+tests (slow) run llama.cpp's own parser in a throwaway subprocess."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import resource
+import select
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from scheduler_daemon import grammar_check as gc
+from scheduler_daemon.errors import InvalidParameter
+from scheduler_daemon.grammar_check import check_grammar, check_json_schema, grammar_stats
+from scheduler_daemon.sampling import SamplingParams
+
+# llama.cpp's grammars/json.gbnf (MIT licence), as vendored in llama-cpp-python 0.3.36.
+LLAMA_JSON_GBNF = r"""root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+# The inputs from issue 12 that killed the daemon, and others found while measuring.
+ISSUE_NESTED_PARENS = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # SIGSEGV
+ISSUE_SCHEMA = {"type": "string", "maxLength": 100000}  # its grammar: SIGSEGV
+ISSUE_SURROGATE = 'root ::= "hi \ud800"'  # UnicodeEncodeError in gbnf.encode()
+MIN_ABOVE_MAX = 'root ::= "a"{5,3}'  # llama.cpp loops allocating rules: std::bad_alloc / OOM
+# llama.cpp misses left recursion through a rule that is only nullable indirectly and
+# then loops in llama_grammar_advance_stack until memory runs out (SIGABRT)
+NULLABLE_LEFT_RECURSION = 'root ::= n root "x" | "y"\nn ::= m\nm ::= "" | "z"\n'
+# exponential work in llama.cpp (left-recursion scan, initial parse stacks)
+DIAMOND = (
+    "root ::= r0\n"
+    + "".join(f'r{i} ::= r{i + 1} "x" | r{i + 1} "y"\n' for i in range(30))
+    + 'r30 ::= "z"\n'
+)
+CRASHERS = [ISSUE_NESTED_PARENS, MIN_ABOVE_MAX, NULLABLE_LEFT_RECURSION, DIAMOND]
+
+
+def refused(text: str, field: str = "grammar") -> str:
+    with pytest.raises(InvalidParameter) as info:
+        check_grammar(text, field)
+    assert info.value.param == field
+    assert info.value.message.startswith(f"{field}: ")
+    return info.value.message
+
+
+def schema_refused(schema: object, field: str = "json_schema") -> str:
+    with pytest.raises(InvalidParameter) as info:
+        check_json_schema(schema, field)
+    assert info.value.param == field
+    return info.value.message
+
+
+def nested(depth: int) -> str:
+    return "root ::= " + "(" * depth + '"a"' + ")" * depth
+
+
+# -- accepted ------------------------------------------------------------------------------
+
+VALID = [
+    'root ::= "a"',
+    "root ::=",  # matches the empty string
+    LLAMA_JSON_GBNF,
+    'root ::= "a" b # comment\n'
+    'b ::= [a-z0-9_]+ | "\\x41\\u00e9\\U0001F600\\t\\r\\n\\\\\\"\\[\\]\\-"\n',
+    'root ::= ("x"\n  | "y"\n  )*\r\n',
+    'root ::= [^"\\\\] [a-] [-a] [\\]] [] [^] . ""',
+    'root ::= <[12]> !<[3]> "a"{2} "b"{0,3} "c"{1,} "d"{ 2 , 4 } "e"? "f"*',
+    'root ::= "é" [α-ω] "日本"',
+    'root ::= a "." a\na ::= "b" a | ""',  # right recursion, a nullable rule
+    'root ::= "a"\nroot ::= "b"',  # a rule defined twice: the last definition wins
+]
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_valid_grammars_are_accepted(text):
+    assert check_grammar(text) == text
+
+
+def test_llama_cpp_json_gbnf_is_accepted_well_inside_the_limits():
+    stats = grammar_stats(LLAMA_JSON_GBNF)
+    assert stats["rules"] < gc.MAX_RULES // 10
+    assert stats["elements"] < gc.MAX_ELEMENTS // 100
+    assert stats["stacks"] < gc.MAX_STACKS // 10
+    assert stats["left_scan"] < gc.MAX_LEFT_SCAN_WORK // 100
+
+
+# -- the issue's inputs --------------------------------------------------------------------
+
+
+def test_twenty_thousand_nested_parentheses_are_refused():
+    assert f"nesting deeper than {gc.MAX_NESTING} levels" in refused(ISSUE_NESTED_PARENS)
+
+
+def test_lone_surrogate_in_a_grammar_is_refused():
+    assert "not valid Unicode" in refused(ISSUE_SURROGATE)
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams.from_dict({"grammar": ISSUE_SURROGATE})
+    assert info.value.param == "grammar"
+
+
+def test_the_issue_schema_is_refused_before_conversion():
+    message = schema_refused(ISSUE_SCHEMA)
+    assert f"maxLength above {gc.MAX_SCHEMA_COUNT}" in message
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams.from_dict({"json_schema": ISSUE_SCHEMA})
+    assert info.value.param == "json_schema"
+
+
+def test_nested_parentheses_through_from_dict_are_a_400_on_the_grammar_field():
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams.from_dict({"grammar": ISSUE_NESTED_PARENS})
+    assert info.value.param == "grammar" and info.value.code == "invalid_request_error"
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+def test_nesting_limit_is_exact():
+    check_grammar(nested(gc.MAX_NESTING))
+    assert f"nesting deeper than {gc.MAX_NESTING} levels" in refused(nested(gc.MAX_NESTING + 1))
+
+
+def test_size_limit_counts_utf8_bytes():
+    body = "a" * (gc.MAX_GRAMMAR_BYTES - len('root ::= ""'))
+    check_grammar(f'root ::= "{body}"')
+    assert f"longer than {gc.MAX_GRAMMAR_BYTES} bytes" in refused(f'root ::= "{body}a"')
+    wide = "é" * ((gc.MAX_GRAMMAR_BYTES - 20) // 2 + 20)  # fewer characters than bytes
+    assert f"longer than {gc.MAX_GRAMMAR_BYTES} bytes" in refused(f'root ::= "{wide}"')
+
+
+def test_nul_is_refused():
+    assert "NUL" in refused('root ::= "a"\x00 junk')
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (f'root ::= "a"{{{gc.MAX_REPETITION + 1}}}', f"repetition count above {gc.MAX_REPETITION}"),
+        (
+            f'root ::= "a"{{0,{gc.MAX_REPETITION + 1}}}',
+            f"repetition count above {gc.MAX_REPETITION}",
+        ),
+        ('root ::= "a"{99999999999999999999999}', "repetition count above"),
+        (MIN_ABOVE_MAX, "minimum above maximum"),
+        ('root ::= ("a"{0,40}){50}', "nested repetitions multiply"),
+        ('root ::= "' + "a" * 1000 + '"{1000}', f"more than {gc.MAX_ELEMENTS} grammar elements"),
+        ("root ::= {2}", "expecting an item"),
+        ('root ::= "a"{,2}', "expecting an integer"),
+        ('root ::= "a"{2', "expecting ',' or '}'"),
+    ],
+)
+def test_repetitions_are_bounded(text, needle):
+    assert needle in refused(text)
+
+
+def test_repetition_at_the_limit_is_accepted():
+    check_grammar(f'root ::= "a"{{{gc.MAX_REPETITION}}} "b"{{0,{gc.MAX_REPETITION}}}')
+
+
+def test_rule_count_is_bounded():
+    rules = "".join(f'r{i} ::= "x"\n' for i in range(gc.MAX_RULES))
+    assert f"more than {gc.MAX_RULES} rules" in refused('root ::= "a"\n' + rules)
+    # generated rules count too: each optional repetition is a rule in llama.cpp
+    many = " ".join(['"a"{0,900}'] * 5)
+    assert f"more than {gc.MAX_RULES} rules" in refused(f"root ::= {many}")
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("root ::= x", "rule 'x' is used but not defined"),
+        ('x ::= "a"', "no 'root' rule"),
+        ("# only a comment\n", "has no rules"),
+        ('root ::= "a"\n  | "b"', "expecting a rule name"),  # llama.cpp: newline ends a rule
+        ('root ::= ("a"', "expecting ')'"),
+        ('root ::= "a" )', "expecting newline or end"),
+        ('root := "a"', "expecting ::="),
+        ('root ::= "a\\q"', "unknown escape"),
+        ('root ::= "\\x4"', "hex digits"),
+        ('root ::= "abc', "unexpected end of input"),
+        ("root ::= [a-", "unexpected end of input"),
+        ("root ::= <hello>", "token names"),
+        ("root ::= <[99999999999]>", "token id above"),
+        ("root ::= !x", "expecting '<'"),
+    ],
+)
+def test_malformed_grammars_are_refused_like_llama_cpp_does(text, needle):
+    assert needle in refused(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'root ::= root "a" | "b"',
+        'root ::= a "x"\na ::= root | "y"',
+        'root ::= "" root "x" | "y"',
+        'root ::= ("a")? root | "b"',
+        NULLABLE_LEFT_RECURSION,  # llama.cpp itself misses this one
+    ],
+)
+def test_left_recursion_is_refused(text):
+    assert "left-recursive" in refused(text)
+
+
+def test_exponential_grammars_are_refused():
+    assert "too ambiguous" in refused(DIAMOND)
+    hidden = DIAMOND.replace("root ::= r0", 'root ::= "a" r0')  # not reached at start
+    assert "too ambiguous" in refused(hidden)
+    many = "root ::= " + " | ".join(f'"{i}"' for i in range(gc.MAX_STACKS + 1))
+    assert f"more than {gc.MAX_STACKS} ways" in refused(many)
+    check_grammar("root ::= " + " | ".join(f'"{i}"' for i in range(gc.MAX_STACKS)))
+
+
+def test_long_left_chains_are_refused():
+    def chain(n: int) -> str:
+        rules = "".join(f'r{i} ::= r{i + 1} "x"\n' for i in range(1, n))
+        return f'root ::= r1 "x"\n{rules}r{n} ::= "y"\n'
+
+    check_grammar(chain(gc.MAX_LEFT_DEPTH - 1))
+    assert f"more than {gc.MAX_LEFT_DEPTH} rules" in refused(chain(gc.MAX_LEFT_DEPTH + 1))
+
+
+def test_not_a_grammar():
+    for value in (None, 5, "", "  \n", ["root ::= x"]):
+        refused(value)  # type: ignore[arg-type]
+
+
+def test_the_checker_never_recurses():
+    """Deep input under a recursion limit barely above the caller's depth: iterative."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 60)
+    try:
+        refused(ISSUE_NESTED_PARENS)
+        check_grammar(nested(gc.MAX_NESTING))
+        refused(DIAMOND)
+        refused("root ::= " + "(" * (gc.MAX_GRAMMAR_BYTES - 20))
+        chain = "".join(f'r{i} ::= r{i + 1} "x"\n' for i in range(1, 1000))
+        check_grammar(f'root ::= r1 "x"\n{chain}r1000 ::= "y"\n')
+        schema_refused(deep_schema(100_000))
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+# -- JSON schemas --------------------------------------------------------------------------
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+TYPICAL_SCHEMAS = [
+    {"type": "object"},
+    {"type": "string", "maxLength": gc.MAX_SCHEMA_OPTIONAL},
+    {"type": "string", "minLength": gc.MAX_SCHEMA_COUNT, "maxLength": gc.MAX_SCHEMA_COUNT},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+[.][a-z]{2,6}$"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 10},
+            "role": {"enum": ["admin", "user", "guest"]},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["city"],
+            },
+            "maxLength": {"type": "boolean"},  # a property named like a keyword
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "prefixItems": [{"type": "number"}, {"const": {"maxItems": "x"}}]},
+    {"anyOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
+    {
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/x"}},
+        "$defs": {"x": {"type": "integer"}},
+    },
+    {"type": "integer", "exclusiveMinimum": True, "minimum": -(10**18)},
+    {"enum": [f"code-{i}" for i in range(200)]},
+    deep_schema(gc.MAX_SCHEMA_DEPTH - 1),
+]
+
+
+@pytest.mark.parametrize("schema", TYPICAL_SCHEMAS)
+def test_typical_schemas_are_accepted(schema):
+    assert json.loads(check_json_schema(schema)) == schema
+    params = SamplingParams.from_dict({"json_schema": json.dumps(schema)})
+    assert json.loads(params.json_schema) == schema
+
+
+@pytest.mark.parametrize(
+    "schema, needle",
+    [
+        ({"type": "string", "minLength": gc.MAX_SCHEMA_COUNT + 1}, "minLength above"),
+        ({"type": "array", "minItems": 10**8}, "minItems above"),
+        (
+            {"type": "string", "maxLength": gc.MAX_SCHEMA_OPTIONAL + 1},
+            "maxLength - minLength above",
+        ),
+        ({"type": "string", "minLength": 5, "maxLength": 4}, "minLength is greater than maxLength"),
+        ({"type": "array", "maxItems": 1.5}, "maxItems must be a non-negative integer"),
+        ({"type": "object", "maxProperties": True}, "must be a non-negative integer"),
+        ({"type": "string", "pattern": "^a{0,100000}$"}, "quantifier count above"),
+        (
+            {"type": "string", "pattern": f"^a{{0,{gc.MAX_SCHEMA_OPTIONAL + 1}}}$"},
+            "optional repetitions",
+        ),
+        ({"type": "string", "pattern": "^a{5,3}$"}, "min > max"),
+        (
+            {"type": "string", "pattern": "^" + "(" * 40 + "a" + ")" * 40 + "$"},
+            "groups nested deeper",
+        ),
+        ({"type": "string", "pattern": 5}, "pattern must be a string"),
+        ({"type": "number", "minimum": 1e300}, "at most 18 digits"),
+        ({"type": "number", "maximum": "9"}, "maximum must be a number"),
+        ({"enum": ["a\ud800"]}, "not valid Unicode"),
+        ({"properties": {"\ud800": {}}}, "not valid Unicode"),
+        ({"enum": ["a\x00"]}, "NUL"),
+        ({"const": float("nan")}, "finite"),
+        (deep_schema(gc.MAX_SCHEMA_DEPTH + 1), f"nested deeper than {gc.MAX_SCHEMA_DEPTH}"),
+        (deep_schema(100_000), f"nested deeper than {gc.MAX_SCHEMA_DEPTH}"),
+        ({"enum": ["x" * 1000] * 100}, f"longer than {gc.MAX_SCHEMA_BYTES} bytes"),
+        ({"enum": list(range(gc.MAX_SCHEMA_NODES + 1))}, f"more than {gc.MAX_SCHEMA_NODES} values"),
+        ({"properties": {f"p{i}": {} for i in range(gc.MAX_SCHEMA_PROPERTIES + 1)}}, "properties"),
+        ({1: "x"}, "keys must be strings"),
+        ({"enum": {1, 2}}, "not JSON"),
+        ([{"type": "string"}], "must be a JSON object"),
+    ],
+)
+def test_schema_bounds(schema, needle):
+    assert needle in schema_refused(schema)
+
+
+def test_schema_text_from_the_wire():
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads would raise RecursionError
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams.from_dict({"json_schema": '{"a": ' + deep + "}"})
+    assert info.value.param == "json_schema"
+    with pytest.raises(InvalidParameter):
+        SamplingParams.from_dict({"json_schema": " " * (gc.MAX_SCHEMA_BYTES + 1) + "{}"})
+    with pytest.raises(InvalidParameter):  # Python's int parsing limit: ValueError
+        SamplingParams.from_dict({"json_schema": '{"minimum": ' + "9" * 5000 + "}"})
+    params = SamplingParams.from_dict({"json_schema": '{"type": "string", "maxLength": 8}'})
+    assert params.json_schema == '{"maxLength": 8, "type": "string"}'
+
+
+# -- engine.grammar_for: the GBNF a schema turns into is checked too ------------------------
+
+
+@pytest.fixture
+def grammar_for():
+    pytest.importorskip("llama_cpp")
+    from scheduler_daemon.engine import LlamaEngine
+
+    return lambda params: LlamaEngine.grammar_for(None, params)  # uses no engine state
+
+
+def test_grammar_for_checks_the_converted_grammar(grammar_for):
+    schema = {"enum": [f"v{i}" for i in range(gc.MAX_STACKS + 1)]}  # fine as a schema
+    params = SamplingParams.from_dict({"json_schema": schema})
+    with pytest.raises(InvalidParameter) as info:
+        grammar_for(params)
+    assert info.value.param == "json_schema"
+    assert "its grammar is refused" in info.value.message and "ways" in info.value.message
+
+
+@pytest.mark.parametrize("schema", TYPICAL_SCHEMAS)
+def test_grammar_for_accepts_typical_schemas(grammar_for, schema):
+    field, gbnf = grammar_for(SamplingParams.from_dict({"json_schema": schema}))
+    assert field == "json_schema" and check_grammar(gbnf) == gbnf
+
+
+def test_grammar_for_checks_a_raw_grammar_that_skipped_from_dict(grammar_for):
+    with pytest.raises(InvalidParameter) as info:
+        grammar_for(SamplingParams(grammar=ISSUE_NESTED_PARENS))
+    assert info.value.param == "grammar"
+    assert grammar_for(SamplingParams(grammar='root ::= "a"')) == ("grammar", 'root ::= "a"')
+
+
+def test_grammar_for_refuses_what_the_converter_gets_wrong(grammar_for):
+    """The converter copies a regex escape llama.cpp does not know (``\\.``) into the GBNF:
+    refused here, instead of reaching llama.cpp's error path (which prints the grammar)."""
+    params = SamplingParams.from_dict({"json_schema": {"type": "string", "pattern": "^a\\.b$"}})
+    with pytest.raises(InvalidParameter) as info:
+        grammar_for(params)
+    assert info.value.param == "json_schema" and "unknown escape" in info.value.message
+
+
+# -- differential: llama.cpp's parser in a subprocess ---------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, sys
+    import llama_cpp as lc
+    quiet = lc.llama_log_callback(lambda level, text, data: None)
+    lc.llama_log_set(quiet, ctypes.c_void_p(0))
+    lc.llama_backend_init()
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    model = lc.llama_model_load_from_file(sys.argv[1].encode(), params)
+    vocab = lc.llama_model_get_vocab(model) if model else None
+    print("RESULT ready" if model else "RESULT no-model", flush=True)
+    for line in sys.stdin:
+        sampler = lc.llama_sampler_init_grammar(vocab, json.loads(line).encode(), b"root")
+        print("RESULT ok" if sampler else "RESULT refused", flush=True)
+        if sampler:
+            lc.llama_sampler_free(sampler)
+    """
+)
+# Only a broken checker lets the parser run this long (accepted grammars parse in ms).
+_HANG_GUARD_S = 300
+
+
+class LlamaGrammarParser:
+    """llama.cpp's ``llama_sampler_init_grammar`` in a child process, restarted if it dies.
+
+    ``parse`` answers "ok", "refused" (llama.cpp's parser said no) or "died: <returncode>".
+    The child's stderr is kept: llama.cpp prints a grammar it refuses there."""
+
+    def __init__(self, model: str, stderr_path: str) -> None:
+        self.model = model
+        self.stderr_path = stderr_path
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        def limits() -> None:  # a runaway parse hits bad_alloc, not the machine's memory
+            resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, self.model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.stderr_path, "ab"),  # noqa: SIM115 (the child holds it)
+            text=True,
+            preexec_fn=limits,
+            env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        )
+        assert self._answer() == "ready"
+
+    def _answer(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], _HANG_GUARD_S)
+            if not ready:
+                self.proc.kill()
+                self.proc.wait()
+                return "died: hung"
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                return f"died: {self.proc.returncode}"
+            if line.startswith("RESULT "):
+                return line[len("RESULT ") :].strip()
+
+    def parse(self, text: str) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(text) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        answer = self._answer()
+        if answer.startswith("died"):
+            self.proc = None
+        return answer
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def llama_parser(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from .conftest import model_path
+
+    stderr_path = str(tmp_path_factory.mktemp("llama") / "stderr.txt")
+    parser = LlamaGrammarParser(model_path(), stderr_path)
+    yield parser
+    parser.close()
+    with open(stderr_path, encoding="utf-8", errors="replace") as f:
+        assert "error parsing grammar" not in f.read(), "a grammar reached llama.cpp's error path"
+
+
+def accepted(text: str) -> bool:
+    try:
+        check_grammar(text)
+    except InvalidParameter:
+        return False
+    return True
+
+
+def assert_llama_parses(parser: LlamaGrammarParser, text: str) -> None:
+    """The differential property: what the checker accepts, llama.cpp parses (so what
+    llama.cpp refuses, or dies on, the checker refuses)."""
+    if accepted(text):
+        answer = parser.parse(text)
+        assert answer == "ok", f"checker accepted, llama.cpp {answer}: {text[:300]!r}"
+
+
+# grammar pieces for generated corpora: valid ones, near misses and plain junk
+NAMES = ["root", "a", "b", "x-1"]
+ATOMS = [
+    '"x"',
+    '"ab"',
+    '""',
+    '"\\n"',
+    '"\\x41"',
+    '"\\u00e9"',
+    '"\\U0001F600"',
+    '"\\\\"',
+    '"\\""',
+    '"é"',
+    "[a-z]",
+    "[0-9]",
+    "[^x]",
+    '[^"\\\\]',
+    "[a-]",
+    "[-a]",
+    "[\\]]",
+    "[]",
+    "[é-ü]",
+    ".",
+    "<[1]>",
+    "!<[2]>",
+]
+QUANTIFIERS = ["*", "+", "?", "{2}", "{0,3}", "{1,}", "{2,2}", "{ 1 , 2 }", "{0}"]
+JUNK = [
+    "(",
+    ")",
+    "|",
+    "*",
+    "+",
+    "?",
+    "{",
+    "}",
+    ",",
+    "{3,1}",
+    "{,2}",
+    '"',
+    "[",
+    "]",
+    "-",
+    "\\",
+    "<",
+    ">",
+    "!",
+    "::=",
+    ":",
+    "=",
+    "\n",
+    "\r\n",
+    "\r",
+    " ",
+    "\t",
+    "#c\n",
+    "# c",
+    "<[99999999999]>",
+    "\\q",
+    "\\x4",
+    "c",
+    "root",
+    "a",
+]
+
+
+def random_grammar(rng: random.Random) -> str:
+    names = NAMES[: rng.randint(1, len(NAMES))]
+
+    def expr(depth: int) -> str:
+        k = rng.randrange(5 if depth < 2 else 3)
+        if k == 0:
+            return rng.choice(ATOMS)
+        if k == 1:
+            return "c" if rng.random() < 0.003 else rng.choice(names)
+        if k == 2:
+            return rng.choice([a for a in ATOMS if a not in ('""', "[]")]) + quantifiers()
+        if k == 3:
+            return "(" + alternates(depth + 1) + ")"
+        return "(" + alternates(depth + 1) + ")" + quantifiers()
+
+    def quantifiers() -> str:
+        return "".join(rng.choice(QUANTIFIERS[:-2]) for _ in range(rng.randint(0, 1))) + (
+            rng.choice(QUANTIFIERS) if rng.random() < 0.9 else ""
+        )
+
+    def alternates(depth: int) -> str:
+        bar = rng.choice([" | ", "\n | ", " |\n "]) if depth else " | "
+        return bar.join(sequence(depth) for _ in range(rng.randint(1, 3)))
+
+    def sequence(depth: int) -> str:
+        items = [expr(depth) for _ in range(rng.randint(0 if depth else 1, 3))]
+        if not depth and rng.random() < 0.9:  # mostly no left recursion
+            items.insert(0, rng.choice(ATOMS[:10]))
+        return " ".join(items)
+
+    text = "\n".join(f"{name} ::= {alternates(0)}" for name in names)
+    if rng.random() < 0.3:  # mutate: insert, delete or replace a few pieces
+        chars = list(text)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(chars) + 1)
+            op = rng.randrange(3)
+            if op == 0 and chars:
+                del chars[min(i, len(chars) - 1)]
+            elif op == 1:
+                chars.insert(i, rng.choice(JUNK))
+            elif chars:
+                chars[min(i, len(chars) - 1)] = rng.choice(JUNK)
+        text = "".join(chars)
+    return text
+
+
+SCHEMA_CORPUS = (
+    TYPICAL_SCHEMAS
+    + [{"type": "string", "maxLength": n} for n in (1, 2, 64, gc.MAX_SCHEMA_OPTIONAL)]
+    + [
+        {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 200},
+        {"type": "string", "pattern": "^(ab|c[d-f]{2,5})+x?$"},
+        {"type": "object", "properties": {f"p{i}": {"type": "number"} for i in range(100)}},
+        {"oneOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "object"}}]},
+    ]
+)
+
+
+@pytest.mark.slow
+def test_differential_known_corpus(llama_parser):
+    """llama.cpp's sample grammar, hand-written edge cases and the converter's output for
+    typical schemas: the checker accepts them all and llama.cpp parses them all."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    corpus = VALID + [json_schema_to_gbnf(check_json_schema(s)) for s in SCHEMA_CORPUS]
+    for text in corpus:
+        assert accepted(text), text[:300]
+        assert llama_parser.parse(text) == "ok", text[:300]
+
+
+@pytest.mark.slow
+def test_differential_crashers_never_reach_llama_cpp(llama_parser):
+    """The grammars that kill or stall llama.cpp are refused (were they accepted, the
+    child would die here: the test shows how)."""
+    for text in CRASHERS:
+        assert_llama_parses(llama_parser, text)
+        assert not accepted(text)
+
+
+@pytest.mark.slow
+def test_differential_generated_corpus(llama_parser):
+    """Thousands of generated grammars (valid, near-miss, mutated): nothing the checker
+    accepts is refused by llama.cpp or kills it, and the checker is not vacuous."""
+    rng = random.Random(12)
+    n_accepted = 0
+    for _ in range(3000):
+        text = random_grammar(rng)
+        assert_llama_parses(llama_parser, text)
+        n_accepted += accepted(text)
+    assert n_accepted > 300
+
+
+@pytest.mark.slow
+def test_differential_hypothesis(llama_parser):
+    """The same property over hypothesis-generated grammars (shrunk on failure)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    text_chars = st.characters(exclude_categories=("Cs",), exclude_characters='\x00"\\')
+    atom = st.one_of(
+        st.sampled_from(ATOMS),
+        st.sampled_from(NAMES),
+        st.text(text_chars, max_size=4).map(lambda s: f'"{s}"'),
+    )
+    expr = st.recursive(
+        atom,
+        lambda inner: st.one_of(
+            st.tuples(inner, st.sampled_from(QUANTIFIERS)).map("".join),
+            st.lists(st.lists(inner, max_size=3).map(" ".join), min_size=1, max_size=3).map(
+                lambda alts: "(" + " | ".join(alts) + ")"
+            ),
+        ),
+        max_leaves=10,
+    )
+    body = st.lists(st.lists(expr, max_size=4).map(" ".join), min_size=1, max_size=3).map(
+        " | ".join
+    )
+    grammar = st.lists(body, min_size=1, max_size=len(NAMES)).map(
+        lambda bodies: "\n".join(f"{n} ::= {b}" for n, b in zip(NAMES, bodies, strict=False))
+    )
+    junk = st.lists(st.sampled_from(JUNK + ATOMS + NAMES), max_size=12).map(" ".join)
+    mutated = st.tuples(
+        grammar, st.lists(st.tuples(st.integers(0, 400), st.sampled_from(JUNK)), max_size=3)
+    ).map(lambda gm: _mutate(*gm))
+
+    @hypothesis.settings(
+        max_examples=1500,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(st.one_of(grammar, mutated, junk.map(lambda j: "root ::= " + j)))
+    def check(text):
+        assert_llama_parses(llama_parser, text)
+        seen[accepted(text)] += 1
+
+    seen = [0, 0]
+    check()
+    assert seen[True] > 100, seen  # not vacuous: many generated grammars are accepted
+
+
+def _mutate(text: str, edits: list[tuple[int, str]]) -> str:
+    for at, piece in edits:
+        at = at % (len(text) + 1)
+        text = text[:at] + piece + text[at:]
+    return text
