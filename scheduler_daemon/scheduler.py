@@ -646,7 +646,10 @@ class Scheduler:
             job = self._jobs.get(request_id)
             if job is None:
                 return False
-            log.error("request %s failed alone: %r", request_id, exc, exc_info=exc)
+            if isinstance(exc, RowFailed) and exc.param:  # the request's own fault
+                log.info("request %s failed alone: %s", request_id, exc)
+            else:
+                log.error("request %s failed alone: %r", request_id, exc, exc_info=exc)
             self.counters["request_failures"] += 1
             error = {"code": errors.ENGINE_ERROR, "message": "this request failed in the engine"}
             if isinstance(exc, RowFailed):

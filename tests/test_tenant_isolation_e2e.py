@@ -65,7 +65,7 @@ POISON = {
         "response_format": {"type": "json_schema", "json_schema": {
             "name": "s", "schema": {"type": "string", "maxLength": 100000}}}},
     "20,000 nested parentheses": {"grammar": _deep_grammar(20_000)},
-    "a grammar that allows no token": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"},
+    "a grammar that allows no token": {"grammar": "root ::= [\\x00]"},
     "a complete grammar with ignore_eos": {"grammar": 'root ::= "a"', "ignore_eos": True},
 }
 

@@ -47,7 +47,7 @@ POISON = {
     ),
     "20,000 nested parentheses": dict(prompt="Say a", params={"grammar": _deep_grammar(20_000)}),
     "a grammar that allows no token (the sampler selects none)": dict(
-        prompt="Say a", params={"grammar": "root ::= [^\\x00-\\U0010FFFF]", "max_tokens": 4}
+        prompt="Say a", params={"grammar": "root ::= [\\x00]", "max_tokens": 4}
     ),
     "a malformed field from a rogue writer": dict(prompt="Say a", max_queued="many"),
     "a request id that is not a UUID (history cannot hold it)": dict(
