@@ -47,6 +47,7 @@ This module imports neither llama_cpp nor Django: the web calls it while parsing
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -57,7 +58,7 @@ from .errors import InvalidParameter
 
 # -- limits (see the measurements above) --------------------------------------------------
 
-MAX_GRAMMAR_BYTES = 128 * 1024
+MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_NESTING = 512
 MAX_REPETITION = 1000
 MAX_RULES = 4096
@@ -79,6 +80,7 @@ MAX_PATTERN_NESTING = 32
 
 # llama.cpp's own cap on repetition counts and on their products (MAX_REPETITION_THRESHOLD).
 _LLAMA_REPETITION_THRESHOLD = 2000
+_MAX_REPETITION_PRODUCT = min(MAX_REPETITION, _LLAMA_REPETITION_THRESHOLD)
 # Saturation for the fan-out counts (they can grow exponentially with the rule count).
 _CAP = 1 << 62
 
@@ -102,6 +104,8 @@ _ITEM_BODY = (
     r"|(?P<tok>!?<\[[0-9]{1,10}\]>)"
     r"|(?P<dot>\.)"
     r"|(?P<rep>[*+?])"
+    r"|(?P<bar>\|(?:[ \t\r\n]|#[^\r\n\x00]*+)*+)"
+    r"|(?P<brace>\{[ \t]*(?P<lo>[0-9]+)[ \t]*(?:(?P<comma>,)[ \t]*(?P<hi>[0-9]*)[ \t]*)?\})"
 )
 _ITEM = re.compile(rf"(?:{_ITEM_BODY})(?:[ \t]|#[^\r\n\x00]*+)*+")
 _ITEM_NL = re.compile(rf"(?:{_ITEM_BODY})(?:[ \t\r\n]|#[^\r\n\x00]*+)*+")
@@ -213,6 +217,7 @@ class _Parser:
         pos = self.space(0, True)
         while src[pos] != "\x00":
             pos = self.rule(pos)
+        self._add_elements(0)
         if not any(r is not None for r in self.rules):
             raise _GrammarError("has no rules")
         for name, rid in self.symbols.items():
@@ -245,36 +250,58 @@ class _Parser:
     def alternates(self, pos: int, name: str, rule_id: int) -> int:
         """A rule's body, groups included, with an explicit stack of open groups."""
         src = self.src
+        symbols = self.symbols
         frames = [_Frame(rule_id, False, 0)]
+        f = frames[0]
+        item_re = _ITEM
         while True:
-            f = frames[-1]
-            m = _ITEM_NL.match(src, pos) if f.nested else _ITEM.match(src, pos)
+            m = item_re.match(src, pos)
             if m is not None:  # the common items, lexed by one regex (slow path below)
                 kind = m.lastgroup
-                if kind == "rep":
+                if kind == "name":
+                    item = symbols.get(m.group(kind))
+                    if item is None:
+                        item = self.symbol(m.group(kind))
+                    f.last = len(f.cur)
+                    f.n_prev = 1
+                    f.cur.append(item)
+                    self.elements += 1  # bounded by the input's size; checked at repeats
+                elif kind == "lit" or kind == "cls":
+                    # an upper bound on llama.cpp's elements: each takes >= 1 character
+                    n = m.end(kind) - m.start(kind) - 2 - (src[pos + 1] == "^")
+                    f.last = len(f.cur)
+                    f.n_prev = 1
+                    if n:  # "" and [] add nothing
+                        f.cur.append(-n)
+                        self.elements += n
+                elif kind == "bar":  # the next alternative
+                    f.alts.append(f.cur)
+                    f.cur, f.last, f.n_prev = [], 0, 1
+                    self.elements += 1
+                elif kind == "rep":
                     c = src[pos]
                     lo, hi = (0, None) if c == "*" else (1, None) if c == "+" else (0, 1)
                     self.repeat(f, name, lo, hi, pos)
+                elif kind == "brace":
+                    lo = self.count_digits(m.group("lo"), pos)
+                    if m.group("comma") is None:
+                        hi: int | None = lo
+                    else:
+                        hi = self.count_digits(m.group("hi"), pos) if m.group("hi") else None
+                        if hi is not None and lo > hi:
+                            raise _GrammarError(
+                                f"repetition {{{lo},{hi}}}: minimum above maximum", pos
+                            )
+                    self.repeat(f, name, lo, hi, pos)
                 else:
+                    if kind == "tok":
+                        digits = m.group(kind).rstrip("]>").rsplit("[", 1)[1]
+                        if int(digits) > MAX_TOKEN_ID:
+                            raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
                     f.last = len(f.cur)
                     f.n_prev = 1
-                    if kind == "name":
-                        item = self.symbol(m.group(kind))
-                        self._add_elements(1)
-                    elif kind == "lit" or kind == "cls":
-                        # an upper bound on llama.cpp's elements: each takes >= 1 character
-                        n = m.end(kind) - m.start(kind) - 2 - (src[pos + 1] == "^")
-                        self._add_elements(n)
-                        item = -n if n else None  # "" and [] add nothing
-                    else:
-                        if kind == "tok":
-                            digits = m.group(kind).rstrip("]>").rsplit("[", 1)[1]
-                            if int(digits) > MAX_TOKEN_ID:
-                                raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
-                        self._add_elements(1)
-                        item = -1
-                    if item is not None:
-                        f.cur.append(item)
+                    f.cur.append(-1)
+                    self.elements += 1
                 pos = m.end()
                 continue
             c = src[pos]
@@ -334,7 +361,9 @@ class _Parser:
                     raise _GrammarError(f"nesting deeper than {MAX_NESTING} levels", pos)
                 pos = self.space(pos + 1, True)
                 n_before = len(self.names)
-                frames.append(_Frame(self._new_symbol(name), True, n_before))
+                f = _Frame(self._new_symbol(name), True, n_before)
+                frames.append(f)
+                item_re = _ITEM_NL
             elif c == ".":
                 f.last = len(f.cur)
                 f.n_prev = 1
@@ -390,6 +419,8 @@ class _Parser:
                 self._add_elements(1)
                 p.cur.append(f.rule_id)
                 pos = self.space(pos + 1, p.nested)
+                f = p
+                item_re = _ITEM_NL if f.nested else _ITEM
 
     def token(self, pos: int) -> int:
         """``<[id]>`` (``parse_token``); ``<name>`` needs the vocabulary: refused."""
@@ -412,9 +443,13 @@ class _Parser:
         m = _DIGITS.match(self.src, pos)
         if m is None:
             raise _GrammarError("expecting an integer", pos)
-        if m.end() - pos > 6 or int(m.group()) > MAX_REPETITION:
+        return self.count_digits(m.group(), pos), m.end()
+
+    @staticmethod
+    def count_digits(digits: str, pos: int) -> int:
+        if len(digits) > 6 or int(digits) > MAX_REPETITION:
             raise _GrammarError(f"repetition count above {MAX_REPETITION}", pos)
-        return int(m.group()), m.end()
+        return int(digits)
 
     def repeat(self, f: _Frame, name: str, lo: int, hi: int | None, at: int) -> None:
         """``handle_repetitions``: x{lo,hi} becomes lo copies of x and hi-lo new rules."""
@@ -422,11 +457,11 @@ class _Parser:
             raise _GrammarError("expecting an item before */+/?/{", at)
         prev = f.cur[f.last :]
         total = hi if hi is not None and hi > 0 else (lo if lo > 0 else 1)
-        if f.n_prev * total > min(MAX_REPETITION, _LLAMA_REPETITION_THRESHOLD):
+        if f.n_prev * total > _MAX_REPETITION_PRODUCT:
             raise _GrammarError(
                 f"nested repetitions multiply to more than {MAX_REPETITION} copies", at
             )
-        weight = sum(-i if i < 0 else 1 for i in prev)
+        weight = (-prev[0] if prev[0] < 0 else 1) if len(prev) == 1 else _weight(prev)
         n_opt = 1 if hi is None else hi - lo
         if len(self.names) + n_opt > MAX_RULES:
             raise _GrammarError(f"more than {MAX_RULES} rules (counting generated ones)", at)
@@ -451,6 +486,15 @@ class _Parser:
         f.n_prev *= total
 
 
+def _weight(items: list[int]) -> int:
+    """llama.cpp elements in a run of items (an upper bound: see ``_Parser``)."""
+    return sum(-i if i < 0 else 1 for i in items)
+
+
+def _alt_weight(alt: list[int]) -> int:
+    return len(alt) if not alt or min(alt) >= -1 else _weight(alt)
+
+
 def _short(name: str) -> str:
     return name if len(name) <= 40 else name[:40] + "..."
 
@@ -470,7 +514,7 @@ def _analyse(p: _Parser) -> dict[str, int]:
         for alt in alts:
             a = len(remaining)
             owner.append(rid)
-            if any(i < 0 for i in alt):
+            if alt and min(alt) < 0:  # holds a terminal
                 remaining.append(-1)
                 continue
             remaining.append(len(alt))
@@ -525,7 +569,7 @@ def _analyse(p: _Parser) -> dict[str, int]:
                 order.append(rid)
 
     # llama.cpp's left-recursion scan: one walk per unvisited rule, no memo within a walk.
-    size = [sum(sum(-i if i < 0 else 1 for i in alt) + 1 for alt in alts) for alts in rules]
+    size = [sum(map(_alt_weight, alts)) + len(alts) for alts in rules]
     scan = [0] * n
     for rid in order:
         scan[rid] = min(_CAP, size[rid] + sum(scan[i] for i in edges[rid]))
@@ -583,40 +627,47 @@ def _analyse(p: _Parser) -> dict[str, int]:
             z_sum = min(_CAP, z_sum + ways)
         t_rule[rid], f_rule[rid], z_rule[rid] = t_sum, f_sum, z_sum
     root = p.symbols["root"]
-    worst_t = worst_f = (t_rule[root] + z_rule[root], f_rule[root] + z_rule[root], root)
+    worst_t, worst_f = t_rule[root] + z_rule[root], f_rule[root] + z_rule[root]
+    _check_fan_out(p, root, worst_t, worst_f)
     # ... and from every position inside a rule: each accepted character advances one
     for rid, alts in enumerate(rules):
         for alt in alts:
-            t_next, f_next, z_next = 0, 0, 1
+            t, f, z = 0, 0, 1
             for i in reversed(alt):
                 if i < 0:
-                    t_next, f_next, z_next = 1, 1, 0
+                    t, f, z = 1, 1, 0
+                    continue
+                zi = z_rule[i]
+                t = 1 + t_rule[i] + zi * t
+                f = f_rule[i] + zi * f
+                if zi:
+                    z = min(_CAP, zi * z)
                 else:
-                    t_next = min(_CAP, 1 + t_rule[i] + z_rule[i] * t_next)
-                    f_next = min(_CAP, f_rule[i] + z_rule[i] * f_next)
-                    z_next = min(_CAP, z_rule[i] * z_next)
-                if t_next > worst_t[0]:
-                    worst_t = (t_next, f_next, rid)
-                if f_next > worst_f[1]:
-                    worst_f = (t_next, f_next, rid)
-    if worst_f[1] > MAX_STACKS:
-        raise _GrammarError(
-            f"too ambiguous: rule '{_short(p.names[worst_f[2]])}' can match more than "
-            f"{MAX_STACKS} ways at once (parse stacks)"
-        )
-    if worst_t[0] > MAX_ADVANCE_STATES:
-        raise _GrammarError(
-            f"too ambiguous: rule '{_short(p.names[worst_t[2]])}' expands into more than "
-            f"{MAX_ADVANCE_STATES} partial parses"
-        )
+                    z = 0
+                if t > worst_t or f > worst_f:
+                    _check_fan_out(p, rid, t, f)
+                    worst_t, worst_f = max(worst_t, t), max(worst_f, f)
     return {
         "rules": n,
         "elements": p.elements,
         "left_scan": total,
         "left_depth": max(depth, default=0),
-        "stacks": worst_f[1],
-        "states": worst_t[0],
+        "stacks": worst_f,
+        "states": worst_t,
     }
+
+
+def _check_fan_out(p: _Parser, rid: int, states: int, stacks: int) -> None:
+    if stacks > MAX_STACKS:
+        raise _GrammarError(
+            f"too ambiguous: rule '{_short(p.names[rid])}' can match more than "
+            f"{MAX_STACKS} ways at once (parse stacks)"
+        )
+    if states > MAX_ADVANCE_STATES:
+        raise _GrammarError(
+            f"too ambiguous: rule '{_short(p.names[rid])}' expands into more than "
+            f"{MAX_ADVANCE_STATES} partial parses"
+        )
 
 
 def check_grammar(text: Any, field: str = "grammar") -> str:
@@ -630,6 +681,16 @@ def check_grammar(text: Any, field: str = "grammar") -> str:
         raise InvalidParameter(field, problem)
     if len(text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
         raise InvalidParameter(field, f"longer than {MAX_GRAMMAR_BYTES} bytes")
+    problem = _verdict(text)
+    if problem is not None:
+        raise InvalidParameter(field, problem)
+    return text
+
+
+@functools.lru_cache(maxsize=32)
+def _verdict(text: str) -> str | None:
+    """Why llama.cpp cannot take ``text`` (None: it can). Cached: the daemon checks a
+    grammar when it reads the request and again before it builds the sampler."""
     parser = _Parser(text)
     try:
         parser.parse()
@@ -640,8 +701,8 @@ def check_grammar(text: Any, field: str = "grammar") -> str:
             line = text.count("\n", 0, exc.pos) + 1
             column = exc.pos - (text.rfind("\n", 0, exc.pos) + 1) + 1
             message += f" (line {line}, column {column})"
-        raise InvalidParameter(field, message) from None
-    return text
+        return message
+    return None
 
 
 def grammar_stats(text: str) -> dict[str, int]:
