@@ -63,8 +63,9 @@ MAX_NESTING = 512
 MAX_REPETITION = 1000
 MAX_RULES = 4096
 MAX_ELEMENTS = 200_000
-MAX_STACKS = 256
+MAX_STACKS = 128
 MAX_ADVANCE_STATES = 4096
+MAX_ADVANCE_WORK = 250_000
 MAX_LEFT_DEPTH = 1024
 MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
@@ -606,47 +607,59 @@ def _analyse(p: _Parser) -> dict[str, int]:
     # Parse stacks (llama_grammar_advance_stack): advancing from a rule reference visits
     # t intermediate stacks, keeps f of them (those topped by a terminal) and falls
     # through z times (ways to match nothing). Upper bounds: equal stacks are merged.
+    # g: how much longer the stacks get on the way (a reference that is not the last item
+    # of its alternative leaves its continuation on the stack): llama.cpp copies each
+    # stack it visits, so the work is about t * (1 + g).
     t_rule = [0] * n
     f_rule = [0] * n
     z_rule = [0] * n
+    g_rule = [0] * n
     for rid in order:
-        t_sum = f_sum = z_sum = 0
+        t_sum = f_sum = z_sum = g_max = 0
         for alt in rules[rid]:
             ways, t, f = 1, 0, 0
-            for i in alt:
+            last = len(alt) - 1
+            for k, i in enumerate(alt):
                 if i < 0:
                     t, f, ways = t + ways, f + ways, 0
                     break
                 t = min(_CAP, t + ways * (1 + t_rule[i]))
                 f = min(_CAP, f + ways * f_rule[i])
                 ways = min(_CAP, ways * z_rule[i])
+                g_max = max(g_max, (k < last) + g_rule[i])
                 if not ways:
                     break
             t_sum = min(_CAP, t_sum + t)
             f_sum = min(_CAP, f_sum + f)
             z_sum = min(_CAP, z_sum + ways)
-        t_rule[rid], f_rule[rid], z_rule[rid] = t_sum, f_sum, z_sum
+        t_rule[rid], f_rule[rid], z_rule[rid], g_rule[rid] = t_sum, f_sum, z_sum, g_max
     root = p.symbols["root"]
     worst_t, worst_f = t_rule[root] + z_rule[root], f_rule[root] + z_rule[root]
-    _check_fan_out(p, root, worst_t, worst_f)
+    worst_w = worst_t * (1 + g_rule[root])
+    _check_fan_out(p, root, worst_t, worst_f, worst_w)
     # ... and from every position inside a rule: each accepted character advances one
     for rid, alts in enumerate(rules):
         for alt in alts:
-            t, f, z = 0, 0, 1
+            t, f, z, g = 0, 0, 1, 0
+            not_last = False
             for i in reversed(alt):
                 if i < 0:
-                    t, f, z = 1, 1, 0
+                    t, f, z, g = 1, 1, 0, 0
+                    not_last = True
                     continue
                 zi = z_rule[i]
                 t = 1 + t_rule[i] + zi * t
                 f = f_rule[i] + zi * f
                 if zi:
                     z = min(_CAP, zi * z)
+                    g = max(g, not_last + g_rule[i])
                 else:
-                    z = 0
-                if t > worst_t or f > worst_f:
-                    _check_fan_out(p, rid, t, f)
-                    worst_t, worst_f = max(worst_t, t), max(worst_f, f)
+                    z, g = 0, not_last + g_rule[i]
+                not_last = True
+                w = t * (1 + g)
+                if t > worst_t or f > worst_f or w > worst_w:
+                    _check_fan_out(p, rid, t, f, w)
+                    worst_t, worst_f, worst_w = max(worst_t, t), max(worst_f, f), max(worst_w, w)
     return {
         "rules": n,
         "elements": p.elements,
@@ -654,10 +667,11 @@ def _analyse(p: _Parser) -> dict[str, int]:
         "left_depth": max(depth, default=0),
         "stacks": worst_f,
         "states": worst_t,
+        "advance_work": worst_w,
     }
 
 
-def _check_fan_out(p: _Parser, rid: int, states: int, stacks: int) -> None:
+def _check_fan_out(p: _Parser, rid: int, states: int, stacks: int, work: int) -> None:
     if stacks > MAX_STACKS:
         raise _GrammarError(
             f"too ambiguous: rule '{_short(p.names[rid])}' can match more than "
@@ -667,6 +681,11 @@ def _check_fan_out(p: _Parser, rid: int, states: int, stacks: int) -> None:
         raise _GrammarError(
             f"too ambiguous: rule '{_short(p.names[rid])}' expands into more than "
             f"{MAX_ADVANCE_STATES} partial parses"
+        )
+    if work > MAX_ADVANCE_WORK:
+        raise _GrammarError(
+            f"too deep: rule '{_short(p.names[rid])}' expands into partial parses that "
+            f"take more than {MAX_ADVANCE_WORK} steps to build"
         )
 
 
