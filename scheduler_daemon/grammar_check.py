@@ -21,26 +21,75 @@ drives llama.cpp's work below a limit:
 * no rule is left-recursive, with emptiness followed through other rules (llama.cpp
   rejects direct left recursion but misses it through a rule that is only nullable
   indirectly, and then loops until memory runs out);
-* llama.cpp's left-recursion scan (a depth-first walk without memoisation: exponential on
-  some grammars) does at most ``MAX_LEFT_SCAN_WORK`` steps, and the parse stacks that one
-  step of matching can fan out into (what ``llama_sampler_init_grammar`` builds for
-  ``root``, and what each sampled character rebuilds) number at most ``MAX_STACKS``.
+* llama.cpp's left-recursion scan (a depth-first walk without memoisation, recursive:
+  exponential on some grammars) does at most ``MAX_LEFT_SCAN_WORK`` steps and recurses at
+  most ``MAX_LEFT_DEPTH`` deep; the parse stacks that one advance fans out into (what
+  ``llama_sampler_init_grammar`` builds for ``root``, and what each sampled character
+  rebuilds from any position) number at most ``MAX_STACKS`` kept, ``MAX_ADVANCE_STATES``
+  visited, and ``MAX_ADVANCE_WORK`` visited stacks times their length (upper bounds: the
+  counts ignore llama.cpp merging equal stacks).
 
 Everything llama.cpp's parser rejects is rejected here as well (its error path prints the
 grammar text to stderr, outside the daemon's log sink), so a grammar only reaches
-llama.cpp when it parses there.
+llama.cpp when it parses there: checked by ``tests/scheduler/test_grammar_check.py``
+(differential tests against llama.cpp in a subprocess) and by ~70,000 generated grammars
+while writing this (~17,000 accepted, all parsed by llama.cpp). The checker is stricter
+in places (left recursion through nullable rules, ``<name>`` tokens, a reference to an
+undefined rule that ``x{0}`` deletes, repetition counts above ``MAX_REPETITION``).
 
 JSON schemas are bounded before ``json_schema_to_gbnf`` runs (that converter turns
 ``maxLength: n`` into n nested groups and ``minItems: n`` into n copies): nesting depth,
 serialized size, node and property counts, the repetition keywords and pattern
 quantifiers, and the magnitude of numeric bounds. The GBNF it produces goes through
-``check_grammar`` as well (``engine.grammar_for``).
+``check_grammar`` as well (``engine.grammar_for``): the converter can still emit a large
+grammar, or one llama.cpp refuses (a pattern's ``\\.`` is copied as an unknown escape).
 
-Measured on llama-cpp-python 0.3.36 (its vendored llama.cpp), Gemma 3 270M vocabulary,
-``llama_sampler_init_grammar`` in a throwaway subprocess (``scripts`` in the issue-12
-report; numbers for an 8 MiB stack, the default main-thread and pthread stack here):
+Measured (llama-cpp-python 0.3.36 and its vendored llama.cpp, Gemma 3 270M vocabulary,
+``llama_sampler_init_grammar`` in throwaway subprocesses; 8 MiB stacks, the default for
+the main thread and for Python threads here; times on a loaded 2-core machine where a
+bare Python loop runs ~4x slower than usual):
 
-* MEASUREMENTS_PLACEHOLDER
+* group nesting ``((((...))))``: survives 18,647 levels, SIGSEGV at 18,803 (~440 bytes of
+  native stack per level; with a 256 KiB thread stack: 566 / 571). The json_schema
+  ``maxLength: n`` grammar nests n groups: same threshold; the issue's ``maxLength:
+  100000`` is an 800 KB grammar, SIGSEGV. ``MAX_NESTING = 512`` (~225 KiB of stack, 36x
+  inside); parse 0.4 ms.
+* a chain of rules each starting with the next (the left-recursion scan recurses once per
+  rule): survives 24,897, SIGSEGV at 25,093; ``MAX_LEFT_DEPTH = 1024`` parses in 0.8 ms.
+  When each rule leaves a continuation on the stack (``r1 ::= r2 "x"``) llama.cpp copies
+  ever longer stacks: 1,000 rules 12-40 ms, 4,096 0.26 s, 10,000 1.6 s; 400 rules
+  (160,000 stack-steps) 14 ms: ``MAX_ADVANCE_WORK = 250_000``.
+* ``x{5,3}``: llama.cpp generates rules forever (2^64 - 2 of them): std::bad_alloc after
+  21 s under a 3 GiB cap, the OOM killer without one. ``x{2001}`` is refused, ``x{0,5000}``
+  silently becomes ``x*``. ``MAX_REPETITION = 1000`` with m <= n.
+* expansion: ten 1,000-character literals each ``{2000}`` (10 KB of grammar) are 20 million
+  elements: 1.85 s and >160 MB. ``MAX_ELEMENTS = 200_000``: 3-24 ms.
+  ``MAX_RULES = 4096`` (json.gbnf has 78 after expansion).
+* ``r_i ::= r_i+1 "x" | r_i+1 "y"`` for 30 levels (1 KB): 2^30 initial stacks. 2^10
+  stacks: 3.7 ms, 2^14: 1.3 s, 2^16: 25 s, 2^18: over 120 s. The left-recursion scan alone
+  (behind a literal, no stacks): 2^22 walks 0.27 s. ``MAX_ADVANCE_STATES = 4096``,
+  ``MAX_LEFT_SCAN_WORK = 1_000_000`` (a grammar scanned ~1 M steps parses in 17-18 ms).
+* the per-token cost of a grammar sampler over the full 262,144-token vocabulary grows
+  with the stacks at that point: json.gbnf 40-100 ms (12 stacks at most); a rule with S
+  alternatives: S=16 1.9x json.gbnf, 32 4.4x, 64 5.4x, 128 6.9x, 256 14x.
+  ``MAX_STACKS = 128`` (so an enum of at most 128 values).
+* left recursion llama.cpp misses (``root ::= n root "x" | "y"``, ``n ::= m``,
+  ``m ::= "" | "z"``): SIGABRT (bad_alloc in llama_grammar_advance_stack) at init, or a
+  hang at the first character when the recursion sits behind one.
+* ``MAX_GRAMMAR_BYTES = 64 KiB``: llama.cpp parses the largest accepted grammars in
+  0.1-9 ms; this checker takes 1-70 ms for them (Python; its verdicts are cached, so the
+  daemon's second look at a grammar is free).
+* json_schema_to_gbnf: ``minLength`` 10^7 -> 50 MB of grammar in 1.5 s, 10^8 -> 500 MB in
+  15 s; ``minItems`` 10^7 -> 180 MB in 3.3 s. ``MAX_SCHEMA_COUNT = 1000`` (5 KB),
+  ``MAX_SCHEMA_OPTIONAL = 256`` (nested groups, inside ``MAX_NESTING``). n optional
+  properties cost O(n^2): 128 -> 21 ms, 256 -> 0.2 s, 900 -> 3.2 s, 2000 ->
+  RecursionError: ``MAX_SCHEMA_PROPERTIES = 128``. Nested arrays: depth 100 -> 78 KB of
+  grammar (rule names grow with depth), 300 -> MemoryError: ``MAX_SCHEMA_DEPTH = 64``
+  (values, counting lists and maps).
+
+Not bounded here: how many stacks a grammar accumulates while generating. An ambiguous
+grammar (``s ::= "a" s "b" | "a" s "c" | ""``) can double them with each character, and
+no static check decides ambiguity; that needs a limit at sampling time.
 
 This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
 """
@@ -94,8 +143,9 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 _SIMPLE_ESCAPES = frozenset('trn\\"[]-')
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _DIGIT_SET = frozenset("0123456789")
-# One item of a sequence and the space after it (parse_sequence's common cases). Anything
-# this does not match (groups, {m,n}, malformed items) takes the character-level path.
+# One item of a sequence and the space after it (parse_sequence's common cases; no
+# backtracking: possessive and atomic groups). Anything else (groups, a newline or a
+# comment inside {m,n}, malformed items) takes the character-level path below.
 _ESCAPE = r"""\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[trn\\"\[\]-])"""
 _CLASS_CHAR = rf"(?:[^\]\\\x00]|{_ESCAPE})"
 _ITEM_BODY = (
@@ -828,7 +878,8 @@ def _check_counts(field: str, schema: Mapping[str, Any]) -> None:
             continue  # draft 4's boolean form
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidParameter(field, f"{key} must be a number")
-        if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_SCHEMA_NUMBER:
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not finite or abs(value) > MAX_SCHEMA_NUMBER:
             raise InvalidParameter(field, f"{key} must be a finite number of at most 18 digits")
     pattern = schema.get("pattern")
     if pattern is not None:
