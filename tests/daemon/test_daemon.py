@@ -87,7 +87,8 @@ def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
     db.add_request(too_long.id)
     [(_, kind, data)] = daemon.events(too_long.id)
     assert kind == "error" and data["code"] == "context_length_exceeded" and data["status"] == 400
-    assert data["limit"] == 2048 and data["prompt_tokens"] > 2048 and data["max_tokens"] == 10
+    # the limit is one tenant's share of the KV budget: KV_TENANT_SHARE (0.5) of N_CTX 2048
+    assert data["limit"] == 1024 and data["prompt_tokens"] > 2048 and data["max_tokens"] == 10
     assert db.row(too_long.id)["status"] == "error"
     assert db.row(too_long.id)["error_code"] == "context_length_exceeded"
     bad_grammar = daemon.enqueue(prompt="hi", params={"grammar": "root ::= (("})
