@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ _LEVELS = {
 
 
 MAX_LOG_LINE_CHARS = 500
+MAX_GRAMMAR_STEP_S = 1.0  # one token's grammar work beyond this fails that request alone
 
 
 class _LlamaLogSink:
@@ -533,7 +535,16 @@ class LlamaSampler:
         )
         allowed = None
         if self._constraints is not None:
+            t0 = time.perf_counter()
             lc.llama_sampler_apply(self._constraints, ctypes.byref(arr))
+            if time.perf_counter() - t0 > MAX_GRAMMAR_STEP_S:
+                # an ambiguous grammar can double llama.cpp's parse stacks with every
+                # character (no static check sees it): it must not stall every other row
+                raise SamplingFailed(
+                    f"{self._grammar_field}: the grammar became too costly to follow (more "
+                    f"than {MAX_GRAMMAR_STEP_S} s for one token); make it less ambiguous",
+                    self._grammar_field,
+                )
             allowed = self._allowed(cand)
         lc.llama_sampler_apply(self._chain, ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size:

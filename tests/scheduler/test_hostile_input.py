@@ -104,3 +104,18 @@ def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines and forged not in lines
     assert all(line.startswith(("'", '"')) for line in lines)
+
+
+def test_a_grammar_too_costly_to_follow_fails_that_request_alone(core, monkeypatch):
+    from scheduler_daemon import engine
+
+    monkeypatch.setattr(engine, "MAX_GRAMMAR_STEP_S", 0.0)  # every grammar step is "too slow"
+    ambiguous = SamplingParams(grammar='root ::= s\ns ::= "a" s "b" | "a" s "c" | ""',
+                               max_tokens=8, temperature=0)
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    bad = core.submit(prompt="Say a", params=ambiguous)
+    good = core.submit(prompt="Once upon a time", params=plain)
+    failed = bad.result(timeout=120).finished
+    assert failed.finish_reason == "error" and failed.error["param"] == "grammar"
+    assert "too costly" in failed.error["message"]
+    assert good.result(timeout=120).finished.finish_reason == "length"
