@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chat import ChatRenderer, parse_messages
+from . import errors
 from .errors import InvalidParameter, Refusal
 from .jobs import Event, FinishedEvent, Request, TickStats, TokenEvent
 from .sampling import SamplingParams
@@ -249,10 +250,14 @@ class InferenceCore:
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
     def _check_size(self, n_bytes: int, field: str) -> None:
-        if n_bytes > self.max_prompt_bytes:
-            raise InvalidParameter(
-                field, f"the prompt text is {n_bytes} bytes, more than the limit of "
-                f"{self.max_prompt_bytes} (MAX_PROMPT_BYTES)"
+        if n_bytes > self.max_prompt_bytes:  # the web's refusal, the same way
+            raise Refusal(
+                errors.CONTEXT_LENGTH_EXCEEDED,
+                f"{field}: the prompt text is {n_bytes} bytes, more than the limit of "
+                f"{self.max_prompt_bytes} (MAX_PROMPT_BYTES)",
+                param=field,
+                prompt_bytes=n_bytes,
+                max_prompt_bytes=self.max_prompt_bytes,
             )
 
     def abort_process_when_running(self, request_id: str) -> None:
