@@ -10,21 +10,126 @@ import asyncio
 import json
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 from django.conf import settings
 
+from config.env import env_float
+from inference.api_errors import ApiError
 from scheduler_daemon import protocol
 
 SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 
-_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, aredis.Redis]] = (
+# Redis connections of one web process (one event loop), and how they are shared. Every
+# reader of a request's stream (a streamed or waited-for request, an SSE or websocket
+# resume) waits in XREAD BLOCK on a connection of its own; everything else holds one for a
+# round trip. The pool is sized explicitly and split: at most ``blocking_readers`` of its
+# connections block at once, the rest stay for short commands. A reader that finds the
+# blocking share taken polls instead (a non-blocking XREAD every READ_POLL_S) until a
+# connection frees up: slower, never out of connections. New requests and resumes are
+# refused with 503 ``service_unavailable`` once ``max_readers`` readers are open, and a short
+# command that waits over ``pool_timeout_s`` for a connection is a 503 too, never a 500.
+# Defaults of the settings of the same names:
+WEB_REDIS_MAX_CONNECTIONS = 128  # the async pool's size (redis-py's default: 100)
+WEB_REDIS_SHORT_CONNECTIONS = 28  # kept from blocking readers, for short commands
+WEB_MAX_STREAMS = 512  # readers open at once per process; past it: 503
+WEB_REDIS_POOL_TIMEOUT_S = 5.0  # how long a command waits for a free connection
+READ_POLL_S = 0.1
+POOL_RETRY_S = 0.01  # how often a command waiting for a connection looks again
+BUSY_RETRY_AFTER_S = 1
+
+
+class RedisBusy(ApiError, redis.ConnectionError):
+    """503 ``service_unavailable``: this web process has no Redis capacity left right now.
+    An ApiError (answered as such by the views and the websocket) and a ConnectionError
+    (code that tolerates Redis being away tolerates this too)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "service_unavailable",
+                         headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    max_connections: int
+    blocking_readers: int
+    max_readers: int
+    pool_timeout_s: float
+
+    @classmethod
+    def from_settings(cls) -> PoolConfig:
+        size = max(2, int(setting("WEB_REDIS_MAX_CONNECTIONS", WEB_REDIS_MAX_CONNECTIONS)))
+        short = int(setting("WEB_REDIS_SHORT_CONNECTIONS", WEB_REDIS_SHORT_CONNECTIONS))
+        short = min(max(1, short), size - 1)
+        return cls(
+            max_connections=size,
+            blocking_readers=size - short,
+            max_readers=max(1, int(setting("WEB_MAX_STREAMS", WEB_MAX_STREAMS))),
+            pool_timeout_s=float(setting("WEB_REDIS_POOL_TIMEOUT_S", WEB_REDIS_POOL_TIMEOUT_S)),
+        )
+
+
+def setting(name: str, default: float) -> float:
+    """``settings.<name>`` if set, else the environment variable ``<name>``, else
+    ``default`` (for knobs of the web's own that config/settings.py does not list)."""
+    value = getattr(settings, name, None)
+    return env_float(name, default) if value is None else value
+
+
+class _Pool(aredis.ConnectionPool):
+    """A pool of at most ``max_connections`` whose exhaustion waits up to ``wait_s`` for a
+    connection to come back, then is a 503 (RedisBusy), not redis-py's MaxConnectionsError.
+    (Not redis-py's BlockingConnectionPool: with it, cancelling a task blocked in XREAD was
+    sometimes lost under Python 3.11, and a closed socket left its request running.)"""
+
+    def __init__(self, *args: Any, wait_s: float = WEB_REDIS_POOL_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_s = wait_s
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        deadline = None
+        while True:
+            try:
+                return await super().get_connection(*args, **kwargs)
+            except redis.exceptions.MaxConnectionsError as exc:
+                now = time.monotonic()
+                deadline = deadline or now + self.wait_s
+                if now >= deadline:
+                    raise RedisBusy("This server has no Redis connection free right now; "
+                                    "try again shortly.") from exc
+                await asyncio.sleep(POOL_RETRY_S)
+
+
+@dataclass(slots=True)
+class _LoopState:
+    """One event loop's (one web process's) Redis clients and reader accounting."""
+
+    config: PoolConfig
+    clients: dict[str, aredis.Redis] = field(default_factory=dict)
+    readers: int = 0
+    blocking: asyncio.Semaphore | None = None
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
     weakref.WeakKeyDictionary()
 )
 _sync_clients: dict[str, redis.Redis] = {}
+
+
+def _state() -> _LoopState:
+    loop = asyncio.get_running_loop()
+    state = _loops.get(loop)
+    if state is None:
+        config = PoolConfig.from_settings()
+        state = _loops[loop] = _LoopState(config, blocking=asyncio.Semaphore(
+            config.blocking_readers))
+    return state
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +146,41 @@ class StreamEvent:
 
 
 def async_client() -> aredis.Redis:
-    """The running loop's client for settings.REDIS_URL."""
-    per_loop = _async_clients.setdefault(asyncio.get_running_loop(), {})
+    """The running loop's client for settings.REDIS_URL (its pool: ``PoolConfig``)."""
+    state = _state()
     url = settings.REDIS_URL
-    if url not in per_loop:
-        per_loop[url] = aredis.Redis.from_url(
-            url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2
+    if url not in state.clients:
+        pool = _Pool.from_url(
+            url, max_connections=state.config.max_connections,
+            wait_s=state.config.pool_timeout_s, socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=2,
         )
-    return per_loop[url]
+        state.clients[url] = aredis.Redis(connection_pool=pool)
+    return state.clients[url]
+
+
+@contextmanager
+def reader() -> Iterator[None]:
+    """Count an open reader of a request's stream (``check_capacity`` reads the count)."""
+    state = _state()
+    state.readers += 1
+    try:
+        yield
+    finally:
+        state.readers -= 1
+
+
+def check_capacity() -> None:
+    """Raise RedisBusy (503) when this process already has ``max_readers`` readers open."""
+    state = _state()
+    if state.readers >= state.config.max_readers:
+        raise RedisBusy(f"This server is streaming {state.readers} requests, its most; "
+                        "try again shortly.")
+
+
+def open_readers() -> int:
+    """Readers of request streams open in this process now."""
+    return _state().readers
 
 
 def sync_client() -> redis.Redis:
@@ -141,16 +273,49 @@ async def enqueue(job: protocol.Job) -> None:
 async def read_events(
     request_id: str, after: str, block_ms: int, count: int | None = None
 ) -> list[StreamEvent]:
-    """Entries after ``after`` ("0-0": from the start), blocking up to ``block_ms``."""
-    reply = await async_client().xread(
-        {protocol.events_stream(request_id): after}, count=count, block=block_ms
-    )
+    """Entries after ``after`` ("0-0": from the start), blocking up to ``block_ms``: in
+    XREAD BLOCK when the blocking share of the pool has room, else by polling."""
+    client = async_client()
+    streams = {protocol.events_stream(request_id): after}
+    blocking = _state().blocking
+    assert blocking is not None
+    if blocking.locked():
+        reply = await _poll(client, blocking, streams, count, block_ms)
+    else:
+        async with blocking:
+            reply = await client.xread(streams, count=count, block=block_ms)
+    _raise_if_cancelled()
     events = []
     for _stream, entries in reply or []:
         for entry_id, fields in entries:
             kind, data = protocol.decode_event(fields)
             events.append(StreamEvent(_text(entry_id), kind, data))
     return events
+
+
+def _raise_if_cancelled() -> None:
+    """Python 3.11's ``asyncio.wait_for`` (redis-py sends commands through it) can swallow a
+    cancellation that lands as the command completes; the task stays marked as cancelling.
+    A reader checks after each read, so a lost cancel costs at most one read, not a stream."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def _poll(client: aredis.Redis, blocking: asyncio.Semaphore, streams: dict[str, str],
+                count: int | None, block_ms: int) -> Any:
+    """XREAD without BLOCK every READ_POLL_S until something comes, ``block_ms`` pass, or a
+    blocking connection frees up (then XREAD BLOCK for the rest of the time)."""
+    deadline = time.monotonic() + block_ms / 1000
+    while True:
+        reply = await client.xread(streams, count=count)
+        left = deadline - time.monotonic()
+        if reply or left <= 0:
+            return reply
+        if not blocking.locked():
+            async with blocking:
+                return await client.xread(streams, count=count, block=max(1, int(left * 1000)))
+        await asyncio.sleep(min(READ_POLL_S, left))
 
 
 async def first_event(request_id: str) -> StreamEvent | None:

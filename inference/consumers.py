@@ -3,21 +3,33 @@
 Tokens are read from Redis by one task per request (``service.follow``), never through the
 channel layer. Closing the socket cancels every request still running on it. The message
 shapes are in docs/api.md.
+
+Robustness (issue 12): a malformed message is answered with an ``error`` naming the problem
+and the socket carries on; a socket that has not authenticated within ``AUTH_TIMEOUT_S`` is
+closed (4401); any exception in the consumer itself closes the socket (1011) after
+cancelling its requests; a key that is revoked, or whose tenant is deactivated, while its
+socket is open is noticed within ``REVOCATION_CHECK_S`` by one watcher per process (one
+database query for all open sockets' keys), and its sockets are closed (4401) after
+cancelling their requests.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from inference import broker, service
+from accounts.models import ApiKey
+from inference import broker, db, service
 from inference.api_errors import ApiError, invalid
 from inference.auth import BAD_KEY, NO_KEY, key_for
 from inference.broker import StreamEvent
@@ -29,7 +41,24 @@ log = logging.getLogger(__name__)
 REQUEST_TYPES = {"chat.completions": CHAT, "completions": COMPLETION}
 MAX_REQUESTS_PER_SOCKET = 32
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_INTERNAL_ERROR = 1011
+# Defaults of the settings of the same names (settings.WS_AUTH_TIMEOUT_S, ...).
+AUTH_TIMEOUT_S = 10.0  # a socket must authenticate this soon after it opens
+REVOCATION_CHECK_S = 1.0  # how often open sockets' keys are checked again
+MAX_ID_CHARS = 256  # a client id: a string this long at most, or an integer
+MAX_ID_INT = 2**53  # ...within JSON's safe integers
+MAX_DEPTH = 64  # nesting of a message's JSON (objects and arrays)
+CANCEL_WAIT_S = 5.0  # how long closing waits for its requests' cancels to go out
 _ENVELOPE = ("type", "id", "stream", "stream_options")
+
+
+class MessageError(Exception):
+    """A message the socket cannot act on: answered with an ``error``, the socket carries on."""
+
+    def __init__(self, error: ApiError, client_id: Any = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.client_id = client_id
 
 
 @dataclass(slots=True)
@@ -44,48 +73,79 @@ class _Running:
 class StreamConsumer(AsyncJsonWebsocketConsumer):
     """Auth by header or a first ``auth`` message; then requests, cancels, resumes."""
 
+    api_key: ApiKey | None = None
+    running: dict[Any, _Running]
+    closing: bool = False
+    _auth_timer: asyncio.Task[None] | None = None
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Every handler runs here: an exception in the consumer closes the socket (1011)
+        after cancelling its requests, never leaving them running with their slots."""
+        try:
+            await super().dispatch(message)
+        except StopConsumer:
+            raise
+        except Exception:
+            log.exception("websocket consumer failed on %s", message.get("type"))
+            await self._shutdown(CLOSE_INTERNAL_ERROR, ApiError(
+                500, "The server had an error processing your message; the socket is closed "
+                     "and its requests are cancelled.", "internal_error"))
+
     async def connect(self) -> None:
         self.api_key = self.scope.get("api_key")
-        self.running: dict[Any, _Running] = {}
+        self.running = {}
         await self.accept()
         if self.scope.get("auth_error"):
             await self._refuse_auth(self.scope["auth_error"])
+        elif self.api_key is None:
+            self._auth_timer = asyncio.create_task(self._auth_deadline())
+        else:
+            _watcher().add(self)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None,
                       **kwargs: Any) -> None:
+        if self.closing:
+            return
         try:
-            content = json.loads(text_data or bytes_data or b"")
-        except ValueError:
-            await self._send_error(None, invalid(None, "Messages must be JSON objects.",
-                                                 "invalid_message"))
-            return
-        await self.receive_json(content)
-
-    async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        kind = content.get("type") if isinstance(content, dict) else None
-        if self.api_key is None:
-            if kind == "auth":
-                await self._authenticate(content.get("api_key"))
+            content = _decode(text_data if text_data is not None else bytes_data)
+            if self.api_key is None:
+                await self._first_message(content)
             else:
+                await self._handle(content)
+        except MessageError as bad:
+            if self.api_key is None:  # nothing but a well-formed auth before authenticating
                 await self._refuse_auth(NO_KEY)
-            return
-        client_id = content.get("id")
+            else:
+                await self._send_error(bad.client_id, bad.error)
+
+    async def disconnect(self, code: int) -> None:
+        await self._stop_requests()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    async def _first_message(self, content: dict[str, Any]) -> None:
+        if content.get("type") == "auth":
+            await self._authenticate(content.get("api_key"))
+        else:
+            await self._refuse_auth(NO_KEY)
+
+    async def _handle(self, content: dict[str, Any]) -> None:
+        kind = content.get("type")
+        if not isinstance(kind, str):
+            raise MessageError(invalid("type", "Every message needs a type (a string): "
+                                               "chat.completions, completions, cancel, resume "
+                                               "or auth.", "invalid_message"))
         if kind in REQUEST_TYPES or kind == "resume":
-            await self._start(client_id, kind, content)
+            await self._start(_client_id(content), kind, content)
         elif kind == "cancel":
-            await self._cancel(client_id)
+            await self._cancel(_client_id(content))
         elif kind == "auth":
             await self.send_json({"type": "authenticated"})
         else:
-            await self._send_error(client_id, invalid(
-                "type", f"Unknown message type {kind!r}: use chat.completions, completions, "
-                        "cancel or resume.", "invalid_message"))
-
-    async def disconnect(self, code: int) -> None:
-        tasks = [run.task for run in self.running.values() if run.task is not None]
-        for task in tasks:
-            task.cancel()  # each request's CancelIfAbandoned publishes its cancel
-        await asyncio.gather(*tasks, return_exceptions=True)
+            raise MessageError(invalid(
+                "type", f"Unknown message type {kind[:64]!r}: use chat.completions, "
+                        "completions, cancel or resume.", "invalid_message"),
+                _client_id(content, strict=False))
 
     # -- auth ------------------------------------------------------------------------------
 
@@ -93,26 +153,80 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         self.api_key = await key_for(raw) if isinstance(raw, str) and raw else None
         if self.api_key is None:
             await self._refuse_auth(BAD_KEY)
-        else:
-            await self.send_json({"type": "authenticated"})
+            return
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
+        _watcher().add(self)
+        await self.send_json({"type": "authenticated"})
+
+    async def _auth_deadline(self) -> None:
+        timeout = float(broker.setting("WS_AUTH_TIMEOUT_S", AUTH_TIMEOUT_S))
+        await asyncio.sleep(timeout)
+        if self.api_key is None and not self.closing:
+            await self._refuse_auth(f"No API key within {timeout:g} s of opening the socket. "
+                                    + NO_KEY)
 
     async def _refuse_auth(self, message: str) -> None:
-        await self._send_error(None, ApiError(401, message, "invalid_api_key"))
-        await self.close(code=CLOSE_UNAUTHENTICATED)
+        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(401, message, "invalid_api_key"))
+
+    async def revoked(self) -> None:
+        """The key was revoked or its tenant deactivated (the watcher noticed)."""
+        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(
+            401, "This API key was revoked (or its tenant deactivated); the socket is closed "
+                 "and its requests are cancelled.", "invalid_api_key"))
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def _shutdown(self, code: int, error: ApiError | None = None) -> None:
+        """Cancel every request on the socket (their cancels are published before the
+        client sees the close), tell the client why, close. Runs once."""
+        if self.closing:
+            return
+        try:
+            await self._stop_requests()
+            if error is not None:
+                await self._send_error(None, error)
+        finally:
+            self.closing = True
+            await self.close(code=code)
+
+    async def _stop_requests(self) -> None:
+        """Cancel every request on the socket: their cancels are published first (so that
+        a lost task cancellation cannot leave one running), then their tasks are cancelled
+        and awaited."""
+        _watcher().discard(self)
+        current = asyncio.current_task()
+        if self._auth_timer is not None and self._auth_timer is not current:
+            self._auth_timer.cancel()
+        running = [run for run in getattr(self, "running", {}).values() if run.task is not current]
+        started = [run.request_id for run in running if run.request_id is not None]
+        if started:
+            await asyncio.gather(*(service.cancel_quietly(r) for r in started))
+        tasks = {run.task for run in running if run.task is not None}
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while tasks and time.monotonic() < deadline:
+            for task in tasks:
+                task.cancel()  # again if need be: Python 3.11 can lose a cancellation
+            _done, tasks = await asyncio.wait(tasks, timeout=0.2)
+        for run in running:  # queued while we waited
+            if run.request_id is not None and run.request_id not in started:
+                await service.cancel_quietly(run.request_id)
+
+    async def send_json(self, content: Any, close: bool = False) -> None:
+        if not self.closing:  # nothing goes out after the close
+            await super().send_json(content, close=close)
 
     # -- requests ----------------------------------------------------------------------------
 
     async def _start(self, client_id: Any, kind: str, content: dict[str, Any]) -> None:
-        if not isinstance(client_id, (str, int)) or isinstance(client_id, bool):
-            await self._send_error(client_id, invalid("id", "Every request needs an id "
-                                                            "(a string or an integer)."))
-        elif client_id in self.running:
+        if client_id in self.running:
             await self._send_error(client_id, invalid("id", f"Request {client_id!r} is still "
                                                             "running on this socket."))
         elif len(self.running) >= MAX_REQUESTS_PER_SOCKET:
             await self._send_error(client_id, ApiError(
                 429, f"At most {MAX_REQUESTS_PER_SOCKET} requests at once per socket.",
-                "rate_limited"))
+                "rate_limited", headers={"Retry-After": "1"}), status=429)
         else:
             run = self.running[client_id] = _Running()
             work = self._resume(client_id, run, content) if kind == "resume" else \
@@ -122,15 +236,20 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
     async def _guarded(self, client_id: Any, run: _Running, work: Any) -> None:
         try:
             await work
+            run.request_id = None  # ended: nothing of it left to cancel
         except ApiError as error:
             await self._send_error(client_id, error, status=error.status,
                                    request_id=run.request_id)
         except Exception:
             log.exception("websocket request %r failed", client_id)
+            if run.request_id is not None:  # it must not keep running (and its slot) unread
+                await service.cancel_quietly(run.request_id)
             await self._send_error(client_id, ApiError(
-                500, "The server had an error processing your request.", "internal_error"))
+                500, "The server had an error processing your request.", "internal_error"),
+                status=500, request_id=run.request_id)
         finally:
-            self.running.pop(client_id, None)
+            if self.running.get(client_id) is run:
+                del self.running[client_id]
 
     async def _request(self, client_id: Any, run: _Running, kind: str,
                        content: dict[str, Any]) -> None:
@@ -148,15 +267,18 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         if not service.is_event_id(after):
             raise invalid("last_event_id", "last_event_id must be a stream entry id such as 1-0.")
         row = await service.owned_row(self.api_key.tenant, request_id)
+        events = await service.resume(self.api_key, row, after)  # 404 expired, 429, 503
         run.request_id = request_id
-        await self._relay(client_id, request_id, service.follow(request_id, after, row.model))
+        await self._relay(client_id, request_id, events)
 
     async def _relay(self, client_id: Any, request_id: str,
                      events: AsyncIterator[StreamEvent | None]) -> None:
-        async with service.CancelIfAbandoned(request_id), aclosing(events) as stream:
+        async with service.CancelIfAbandoned(request_id) as guard, aclosing(events) as stream:
             async for event in stream:
                 if event is not None:
                     await self.send_json(_message(client_id, request_id, event))
+                    if event.is_terminal:
+                        guard.ended = True  # closing now cancels nothing
 
     async def _cancel(self, client_id: Any) -> None:
         run = self.running.get(client_id)
@@ -178,6 +300,59 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(message)
 
 
+# -- checking a message ------------------------------------------------------------------------
+
+
+def _decode(raw: str | bytes | None) -> dict[str, Any]:
+    """A message as a JSON object, else MessageError naming what is wrong with it."""
+    try:
+        content = json.loads(raw if raw is not None else "")
+    except RecursionError:
+        raise MessageError(_bad_message(
+            f"The message nests deeper than {MAX_DEPTH} levels.")) from None
+    except (ValueError, TypeError):
+        raise MessageError(_bad_message("The message is not valid JSON.")) from None
+    if not isinstance(content, dict):
+        kind = "null" if content is None else type(content).__name__
+        raise MessageError(_bad_message(f"Messages must be JSON objects, not {kind}."))
+    if _too_deep(content):
+        raise MessageError(_bad_message(f"The message nests deeper than {MAX_DEPTH} levels."))
+    return content
+
+
+def _bad_message(message: str) -> ApiError:
+    return invalid(None, message, "invalid_message")
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests objects/arrays more than MAX_DEPTH deep (iterative)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values()
+                         if isinstance(child, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return False
+
+
+def _client_id(content: dict[str, Any], strict: bool = True) -> Any:
+    """The message's ``id``: a string of at most MAX_ID_CHARS or a safe integer. Anything
+    else is a MessageError (``strict``) or None (for echoing it in an error)."""
+    value = content.get("id")
+    good = (isinstance(value, str) and len(value) <= MAX_ID_CHARS) or (
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_ID_INT)
+    if good:
+        return value
+    if not strict:
+        return None
+    raise MessageError(invalid("id", "Every request needs an id: a string of at most "
+                                     f"{MAX_ID_CHARS} characters or an integer."))
+
+
 def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, Any]:
     """A stream event as the socket's message (``event_id`` resumes after it)."""
     head = {"type": event.kind, "id": client_id, "request_id": request_id,
@@ -195,7 +370,66 @@ def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, A
 
 
 def _uuid_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid("request_id", "request_id must be a request's id (a UUID).")
     try:
-        return str(uuid.UUID(str(value)))
+        return str(uuid.UUID(value))
     except ValueError:
         raise invalid("request_id", "request_id must be a request's id (a UUID).") from None
+
+
+# -- revoked keys ------------------------------------------------------------------------------
+
+
+class _RevocationWatcher:
+    """One per event loop (process): while sockets are open, checks every
+    REVOCATION_CHECK_S that their keys still authenticate (one query for all of them) and
+    closes the sockets of keys that do not. A poll, not a notice: it sees every way a key
+    stops working (the admin, a bulk update, a shell, another process) without hooks."""
+
+    def __init__(self) -> None:
+        self.sockets: set[StreamConsumer] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, consumer: StreamConsumer) -> None:
+        self.sockets.add(consumer)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+
+    def discard(self, consumer: StreamConsumer) -> None:
+        self.sockets.discard(consumer)
+
+    async def _run(self) -> None:
+        while self.sockets:
+            await asyncio.sleep(float(broker.setting("WS_REVOCATION_CHECK_S",
+                                                     REVOCATION_CHECK_S)))
+            try:
+                await self.check()
+            except Exception:  # the database may be away for a moment: try again next time
+                log.warning("checking the open websockets' keys failed", exc_info=True)
+
+    async def check(self) -> None:
+        sockets = [s for s in self.sockets if s.api_key is not None and not s.closing]
+        if not sockets:
+            return
+        usable = await db.run(_usable_key_ids, {s.api_key.pk for s in sockets})
+        for consumer in sockets:
+            if consumer.api_key.pk not in usable:
+                self.sockets.discard(consumer)
+                asyncio.create_task(consumer.revoked())
+
+
+def _usable_key_ids(ids: set[int]) -> set[int]:
+    return set(ApiKey.objects.usable().filter(pk__in=ids).values_list("pk", flat=True))
+
+
+_watchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _RevocationWatcher] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _watcher() -> _RevocationWatcher:
+    loop = asyncio.get_running_loop()
+    if loop not in _watchers:
+        _watchers[loop] = _RevocationWatcher()
+    return _watchers[loop]

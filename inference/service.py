@@ -74,15 +74,43 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         if parsed.model == settings.MODEL_NAME:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
+    broker.check_capacity()  # 503 before anything is admitted when this process is full
     request_id = str(uuid.uuid4())
-    row = await db.run(_admit_and_record, api_key, parsed, request_id)
+    admission = asyncio.ensure_future(db.run(_admit_and_record, api_key, parsed, request_id))
+    try:
+        row = await asyncio.shield(admission)  # the database thread finishes it either way
+    except asyncio.CancelledError:
+        if not admission.cancelled() and await _settled(admission):
+            await db.run(_abandon, api_key.tenant_id, request_id)
+        raise
     try:
         async with CancelIfAbandoned(request_id):
             await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
     except BaseException:
-        await db.run(limits.release_sync, api_key.tenant_id, request_id)
+        await db.run(_abandon, api_key.tenant_id, request_id)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
+
+
+async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
+    """Wait for an admission whose caller went away; True when it admitted the request."""
+    try:
+        await admission
+    except BaseException:
+        return False
+    return True
+
+
+def _abandon(tenant_id: int, request_id: str) -> None:
+    """A request admitted but never queued (its caller went away, or queueing failed):
+    its row ends cancelled; its slot and token reservation are freed."""
+    try:
+        InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
+            status=InferenceRequest.Status.CANCELLED, finish_reason="cancelled",
+            finished=timezone.now(),
+        )
+    finally:
+        limits.release_sync(tenant_id, request_id)
 
 
 def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
@@ -90,7 +118,8 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
     anything is stored or queued), then create the history row. One trip to the database
     thread for both."""
-    limits.admit_key_sync(api_key, request_id)
+    reserve = limits.reservation(parsed.prompt, parsed.messages, parsed.params.get("max_tokens"))
+    limits.admit_key_sync(api_key, request_id, reserve=reserve)
     try:
         return InferenceRequest.objects.create(
             id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,
@@ -113,6 +142,11 @@ async def answer(queued: Queued) -> Submission:
 
 
 async def _wait_first(request_id: str, model: str) -> StreamEvent:
+    with broker.reader():
+        return await _wait_first_read(request_id, model)
+
+
+async def _wait_first_read(request_id: str, model: str) -> StreamEvent:
     deadline = time.monotonic() + settings.ACCEPT_TIMEOUT_S
     while True:
         events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1)
@@ -148,6 +182,14 @@ async def follow(request_id: str, after: str, model: str, daemon_id: str | None 
     Ends with a synthetic ``error`` (no entry id) if the request outlives REQUEST_TIMEOUT_S.
     ``resuming``: a reader coming back may ask after the end; a live submission cannot.
     """
+    with broker.reader():
+        async with aclosing(_follow(request_id, after, model, daemon_id, resuming)) as events:
+            async for event in events:
+                yield event
+
+
+async def _follow(request_id: str, after: str, model: str, daemon_id: str | None,
+                  resuming: bool) -> AsyncIterator[StreamEvent | None]:
     if resuming and after != "0-0" and await _ended_before(request_id, after):
         return
     if daemon_id is None:
@@ -179,6 +221,51 @@ async def follow(request_id: str, after: str, model: str, daemon_id: str | None 
             await broker.publish_cancel(request_id)
             yield _synthetic_error("timeout", "The request took too long and was cancelled.")
             return
+
+
+RESUME_SLOT_TTL_S = 30.0  # a resume's slot expires unless its reader renews it...
+RESUME_SLOT_RENEW_S = 10.0  # ...this often while it reads
+EXPIRED_GRACE_S = 5.0  # an unfinished request with no stream this long after its accept
+# timeout never got one: nobody took it and the web that queued it is gone
+
+
+async def resume(api_key: ApiKey, row: InferenceRequest,
+                 after: str) -> AsyncIterator[StreamEvent | None]:
+    """The events of ``row`` after ``after`` (``follow``), for a client coming back; checked
+    before the first byte goes out. Raises ApiError: 404 ``events_expired`` at once when the
+    stream is gone or will never come; 503 when this web process is full; 429 when the
+    tenant has ``max_concurrent`` requests and resumes already (a resume holds a slot in the
+    tenant's in-flight set for as long as it reads)."""
+    request_id = str(row.id)
+    if not await broker.stream_exists(request_id) and _no_stream_coming(row):
+        raise ApiError(404, "The events of this request have expired.", "events_expired")
+    broker.check_capacity()
+    member = await db.run(limits.take_resume_slot_sync, api_key, ttl_s=RESUME_SLOT_TTL_S)
+    events = follow(request_id, after, row.model)
+    return _holding_slot(events, str(api_key.tenant_id), member)
+
+
+def _no_stream_coming(row: InferenceRequest) -> bool:
+    if row.finished is not None:
+        return True
+    age = (timezone.now() - row.created).total_seconds()
+    return age > settings.ACCEPT_TIMEOUT_S + EXPIRED_GRACE_S
+
+
+async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: str,
+                        member: str) -> AsyncIterator[StreamEvent | None]:
+    """``events``, renewing the resume's slot while they last and freeing it at the end
+    (a reader that never starts leaves a slot that expires in RESUME_SLOT_TTL_S)."""
+    renewed = time.monotonic()
+    try:
+        async with aclosing(events) as stream:
+            async for event in stream:
+                if time.monotonic() - renewed >= RESUME_SLOT_RENEW_S:
+                    renewed = time.monotonic()
+                    await limits.renew_slot(tenant_id, member, RESUME_SLOT_TTL_S)
+                yield event
+    finally:
+        await limits.free_slot_quietly(tenant_id, member)
 
 
 async def collect(submission: Submission) -> tuple[str, StreamEvent]:
@@ -242,12 +329,15 @@ class CancelIfAbandoned:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self.ended = False  # set by a reader that has seen the terminal event: no cancel
 
     async def __aenter__(self) -> CancelIfAbandoned:
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        if self.ended:
+            return
         if kind is not None and issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
             await cancel_quietly(self.request_id)
 

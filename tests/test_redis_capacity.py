@@ -1,0 +1,119 @@
+"""The web's Redis connections (issue 12): an explicitly sized pool whose blocking share
+can be outnumbered by readers without anyone running out (they poll), a 503 instead of a
+500 when a process is full or its pool is exhausted. In-process, real test Redis."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import redis
+from channels.testing import WebsocketCommunicator
+
+from config.asgi import application
+from inference import broker
+from inference.api_errors import ApiError
+from scheduler_daemon import protocol
+from tests.live_service import StandIn, wait_until
+
+pytestmark = pytest.mark.asyncio
+GUARD_S = 30  # hang guard
+
+
+async def test_the_pool_is_sized_by_the_settings(settings):
+    settings.WEB_REDIS_MAX_CONNECTIONS = 40
+    settings.WEB_REDIS_SHORT_CONNECTIONS = 10
+    client = broker.async_client()
+    assert client.connection_pool.max_connections == 40
+    assert broker.PoolConfig.from_settings().blocking_readers == 30
+
+
+async def _read_all(request_ids: list[str], redis_client, block_ms: int) -> list[list]:
+    readers = [asyncio.create_task(broker.read_events(r, "0-0", block_ms)) for r in request_ids]
+    await asyncio.sleep(0.3)  # all of them waiting
+    assert await broker.stream_exists(request_ids[0]) is False  # a short command still runs
+    for request_id in request_ids:
+        redis_client.xadd(protocol.events_stream(request_id),
+                          protocol.encode_event(protocol.TOKEN, {"text": "x", "n_tokens": 1}))
+    try:
+        return await asyncio.wait_for(asyncio.gather(*readers), GUARD_S)
+    finally:
+        redis_client.delete(*(protocol.events_stream(r) for r in request_ids))
+
+
+async def test_130_readers_on_the_default_pool_all_get_their_events(redis_client):
+    """Before: redis-py's pool of 100 raised MaxConnectionsError for the 101st reader (a 500)."""
+    request_ids = [uuid.uuid4().hex for _ in range(130)]
+    results = await _read_all(request_ids, redis_client, block_ms=GUARD_S * 1000)
+    assert [len(events) for events in results] == [1] * 130
+
+
+async def test_readers_beyond_the_blocking_share_poll(settings, redis_client):
+    settings.WEB_REDIS_MAX_CONNECTIONS = 6
+    settings.WEB_REDIS_SHORT_CONNECTIONS = 2
+    request_ids = [uuid.uuid4().hex for _ in range(30)]
+    results = await _read_all(request_ids, redis_client, block_ms=GUARD_S * 1000)
+    assert [len(events) for events in results] == [1] * 30
+    pool = broker.async_client().connection_pool
+    assert len(pool._in_use_connections) + len(pool._available_connections) <= 6
+
+
+async def test_an_empty_read_still_returns_after_its_block_time_while_polling(settings):
+    settings.WEB_REDIS_MAX_CONNECTIONS = 3
+    settings.WEB_REDIS_SHORT_CONNECTIONS = 2
+    results = await asyncio.wait_for(asyncio.gather(
+        *(broker.read_events(uuid.uuid4().hex, "0-0", 200) for _ in range(5))), GUARD_S)
+    assert results == [[]] * 5
+
+
+async def test_an_exhausted_pool_is_a_503_not_a_500(settings):
+    settings.WEB_REDIS_MAX_CONNECTIONS = 2
+    settings.WEB_REDIS_POOL_TIMEOUT_S = 0.1
+    pool = broker.async_client().connection_pool
+    held = [await pool.get_connection() for _ in range(2)]
+    try:
+        with pytest.raises(ApiError) as caught:
+            await broker.stream_exists("x")
+        assert caught.value.status == 503 and caught.value.code == "service_unavailable"
+        assert caught.value.headers["Retry-After"] == "1"
+        assert isinstance(caught.value, redis.ConnectionError)  # Redis-tolerant code copes
+    finally:
+        for connection in held:
+            await pool.release(connection)
+    assert await broker.stream_exists("x") is False
+
+
+def hold(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
+    daemon.accept(job)
+    wait_until(lambda: daemon.is_cancelled(job.id) or release.is_set(), timeout_s=GUARD_S)
+    daemon.finish(job, reason="cancelled" if daemon.is_cancelled(job.id) else "stop")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_full_process_answers_503_service_unavailable(parties, standin, settings):
+    settings.WEB_MAX_STREAMS = 2
+    release = threading.Event()
+    for _ in range(2):
+        standin.serve(lambda d, j: hold(d, j, release))
+    ws = WebsocketCommunicator(application, "/ws/v1/stream",
+                               headers=[(b"authorization", f"Bearer {parties.owner}".encode())])
+    await ws.connect()
+    try:
+        for client_id in (1, 2):
+            await ws.send_json_to({"type": "completions", "id": client_id,
+                                   "model": standin.model, "prompt": "Hi"})
+            accepted = await ws.receive_json_from(timeout=GUARD_S)
+            assert accepted["type"] == "accepted", accepted
+        for _ in range(GUARD_S * 10):  # both are following their streams
+            if broker.open_readers() >= 2:
+                break
+            await asyncio.sleep(0.1)
+        await ws.send_json_to({"type": "completions", "id": 3, "model": standin.model,
+                               "prompt": "Hi"})
+        refused = await ws.receive_json_from(timeout=GUARD_S)
+        assert (refused["id"], refused["type"], refused["status"]) == (3, "error", 503)
+        assert refused["error"]["code"] == "service_unavailable"
+    finally:
+        release.set()
+    await ws.disconnect()
