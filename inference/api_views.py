@@ -81,7 +81,7 @@ async def request_events(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
         raise ApiError(404, "The events of this request have expired.", "events_expired")
     include_usage = request.GET.get("include_usage", "").lower() in ("1", "true", "yes")
     formatter = Formatter(row.kind, str(pk), row.model, int(row.created.timestamp()), include_usage)
-    return _sse_response(formatter, service.follow(str(pk), after, row.model))
+    return _sse_response(formatter, await service.resume(api_key, row, after))  # 404/429/503
 
 
 async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
