@@ -75,7 +75,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
 
     api_key: ApiKey | None = None
     running: dict[Any, _Running]
-    closing: bool = False
+    shutting: bool = False  # the server is closing the socket
+    closing: bool = False  # ...and nothing more may be sent on it
     _auth_timer: asyncio.Task[None] | None = None
 
     async def dispatch(self, message: dict[str, Any]) -> None:
@@ -104,7 +105,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None,
                       **kwargs: Any) -> None:
-        if self.closing:
+        if self.shutting:
             return
         try:
             content = _decode(text_data if text_data is not None else bytes_data)
@@ -163,26 +164,33 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
     async def _auth_deadline(self) -> None:
         timeout = float(broker.setting("WS_AUTH_TIMEOUT_S", AUTH_TIMEOUT_S))
         await asyncio.sleep(timeout)
-        if self.api_key is None and not self.closing:
-            await self._refuse_auth(f"No API key within {timeout:g} s of opening the socket. "
-                                    + NO_KEY)
+        if self.api_key is None and not self.shutting:
+            try:
+                await self._refuse_auth(f"No API key within {timeout:g} s of opening the "
+                                        "socket. " + NO_KEY)
+            except Exception:  # the socket is going either way
+                log.warning("closing an unauthenticated websocket failed", exc_info=True)
 
     async def _refuse_auth(self, message: str) -> None:
         await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(401, message, "invalid_api_key"))
 
     async def revoked(self) -> None:
         """The key was revoked or its tenant deactivated (the watcher noticed)."""
-        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(
-            401, "This API key was revoked (or its tenant deactivated); the socket is closed "
-                 "and its requests are cancelled.", "invalid_api_key"))
+        try:
+            await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(
+                401, "This API key was revoked (or its tenant deactivated); the socket is "
+                     "closed and its requests are cancelled.", "invalid_api_key"))
+        except Exception:  # the socket is going either way
+            log.warning("closing a revoked key's websocket failed", exc_info=True)
 
     # -- closing -----------------------------------------------------------------------------
 
     async def _shutdown(self, code: int, error: ApiError | None = None) -> None:
         """Cancel every request on the socket (their cancels are published before the
         client sees the close), tell the client why, close. Runs once."""
-        if self.closing:
+        if self.shutting:
             return
+        self.shutting = True  # no new request starts from here on
         try:
             await self._stop_requests()
             if error is not None:
@@ -409,7 +417,7 @@ class _RevocationWatcher:
                 log.warning("checking the open websockets' keys failed", exc_info=True)
 
     async def check(self) -> None:
-        sockets = [s for s in self.sockets if s.api_key is not None and not s.closing]
+        sockets = [s for s in self.sockets if s.api_key is not None and not s.shutting]
         if not sockets:
             return
         usable = await db.run(_usable_key_ids, {s.api_key.pk for s in sockets})

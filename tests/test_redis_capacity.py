@@ -15,7 +15,7 @@ from config.asgi import application
 from inference import broker
 from inference.api_errors import ApiError
 from scheduler_daemon import protocol
-from tests.live_service import StandIn, wait_until
+from tests.live_service import StandIn, echo, wait_until
 
 pytestmark = pytest.mark.asyncio
 GUARD_S = 30  # hang guard
@@ -117,3 +117,49 @@ async def test_a_full_process_answers_503_service_unavailable(parties, standin, 
     finally:
         release.set()
     await ws.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_130_resumes_of_one_tenant_leave_the_other_tenant_served(parties, standin):
+    """The issue's attack: tenant A (no max_concurrent) opens 130 resumes of a request it
+    keeps running, over 5 sockets; tenant B's request meanwhile is served. Before, the
+    101st Redis connection raised MaxConnectionsError: B got 500 internal_error."""
+    release = threading.Event()
+    standin.serve(lambda d, j: hold(d, j, release))
+    owner = [(b"authorization", f"Bearer {parties.owner}".encode())]
+    sockets = [WebsocketCommunicator(application, "/ws/v1/stream", headers=owner)
+               for _ in range(5)]
+    for ws in sockets:
+        await ws.connect()
+    try:
+        await sockets[0].send_json_to({"type": "completions", "id": "held",
+                                       "model": standin.model, "prompt": "Hi"})
+        accepted = await sockets[0].receive_json_from(timeout=GUARD_S)
+        request_id = accepted["request_id"]
+        for n in range(130):
+            await sockets[n % 5].send_json_to({"type": "resume", "id": f"r{n}",
+                                               "request_id": request_id})
+        for i, ws in enumerate(sockets):  # every resume is reading: its first event came
+            waiting = {f"r{n}" for n in range(i, 130, 5)}
+            while waiting:
+                message = await ws.receive_json_from(timeout=GUARD_S)
+                if message["id"] in waiting:
+                    assert message["type"] == "accepted", message
+                    waiting.discard(message["id"])
+        assert broker.open_readers() >= 131
+        other = WebsocketCommunicator(
+            application, "/ws/v1/stream",
+            headers=[(b"authorization", f"Bearer {parties.outsider}".encode())])
+        await other.connect()
+        standin.serve(echo)
+        await other.send_json_to({"type": "completions", "id": "b", "model": standin.model,
+                                  "prompt": "Hi"})
+        seen = []
+        while not seen or seen[-1]["type"] not in ("done", "error"):
+            seen.append(await other.receive_json_from(timeout=GUARD_S))
+        assert seen[-1]["type"] == "done", seen[-1]
+        await other.disconnect()
+    finally:
+        release.set()
+    for ws in sockets:
+        await ws.disconnect()
