@@ -85,7 +85,8 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         raise
     try:
         async with CancelIfAbandoned(request_id):
-            await broker.enqueue(parsed.job(request_id, str(api_key.tenant_id)))
+            job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
+            await broker.enqueue(job)
     except BaseException:
         await db.run(_abandon, api_key.tenant_id, request_id)
         raise
