@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import ChatRenderer, parse_messages
 from . import errors
+from .chat import ChatRenderer, parse_messages
 from .errors import InvalidParameter, Refusal
 from .jobs import Event, FinishedEvent, Request, TickStats, TokenEvent
 from .sampling import SamplingParams
@@ -171,7 +171,7 @@ class InferenceCore:
         failures = 0
         while not self._stop.is_set():
             try:
-                if self._abort_ids and self._abort_ids & self.scheduler.running_ids():
+                if self._abort_ids and self._abort_ids & self.scheduler.job_ids():
                     log.critical("fault injection: aborting the process")
                     os.abort()
                 if self.scheduler.has_work():
@@ -261,7 +261,8 @@ class InferenceCore:
             )
 
     def abort_process_when_running(self, request_id: str) -> None:
-        """Test-only fault hook: abort the whole process once this request is in a slot."""
+        """Test-only fault hook: abort the whole process at the loop's next turn while this
+        request is queued or running (before it produces a token)."""
         self._abort_ids.add(request_id)
         self.scheduler.wake()
 

@@ -283,10 +283,10 @@ class Scheduler:
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
             return len(idle) + ram
 
-    def running_ids(self) -> set[str]:
-        """Requests in a slot (prefilling or generating)."""
+    def job_ids(self) -> set[str]:
+        """Requests queued or running."""
         with self._lock:
-            return {s.job.id for s in self._slots if s.job is not None}
+            return set(self._jobs)
 
     def wake(self) -> None:
         """Let the loop run a tick now."""

@@ -314,6 +314,8 @@ class DaemonTransport:
         self.redis.hset(self.running_key, job.id, fingerprint)
         with self._cond:
             self._buffer.held[job.id] = []
+        if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
+            self.core.abort_process_when_running(job.id)  # test-only: before its first tick
         try:
             params = SamplingParams.from_dict(job.params)
             handle = self.core.submit(
@@ -346,8 +348,6 @@ class DaemonTransport:
             self._buffer.items.extend(self._buffer.held.pop(job.id))
             self._buffer.urgent = True
             self._cond.notify()
-        if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
-            self.core.abort_process_when_running(job.id)
         try:
             if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while submitting
                 self.core.cancel(job.id)

@@ -144,7 +144,9 @@ def test_a_crashing_job_is_quarantined_after_two_deaths_and_the_rest_is_served(m
     events = daemon.events(poison.id, timeout_s=240)
     _, kind, data = events[-1]
     assert kind == "error" and data["code"] == "request_quarantined", events
-    assert [k for _, k, _ in events].count("accepted") == 2  # it ran twice, then never again
+    assert "token" not in [k for _, k, _ in events]
+    assert "restart 2 " in daemon.log_path.read_text()  # it killed two runs, then never again
+    assert "restart 3 " not in daemon.log_path.read_text()
     record = json.loads(daemon.redis.hget(protocol.QUARANTINE_HASH, job_fingerprint(poison)))
     assert record["request_id"] == poison.id and record["deaths"] == 2
     assert daemon.proc.poll() is None  # the supervisor is still there
