@@ -153,6 +153,17 @@ WEB_DB_THREAD = True
 # The web's waits: for a daemon to take a queued job, and for a whole request.
 ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)
 REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
+# Each web process's Redis (inference/broker.py): the pool's size, how many of its
+# connections are kept from blocking readers, how many streams/resumes may be read at once
+# (past it: 503 service_unavailable), how long a command waits for a connection.
+WEB_REDIS_MAX_CONNECTIONS = env_int("WEB_REDIS_MAX_CONNECTIONS", 128)
+WEB_REDIS_SHORT_CONNECTIONS = env_int("WEB_REDIS_SHORT_CONNECTIONS", 28)
+WEB_MAX_STREAMS = env_int("WEB_MAX_STREAMS", 512)
+WEB_REDIS_POOL_TIMEOUT_S = env_float("WEB_REDIS_POOL_TIMEOUT_S", 5.0)
+# Websockets (inference/consumers.py): authenticate within this long or the socket closes
+# (4401); open sockets' keys are checked again this often (revoked key: close 4401).
+WS_AUTH_TIMEOUT_S = env_float("WS_AUTH_TIMEOUT_S", 10.0)
+WS_REVOCATION_CHECK_S = env_float("WS_REVOCATION_CHECK_S", 1.0)
 
 # Tenant limits (docs/limits.md): a request holds its concurrency slot at most
 # ACCEPT_TIMEOUT_S + REQUEST_TIMEOUT_S + this, so a crash never leaks one for good.
