@@ -662,7 +662,8 @@ def _quote(text: str) -> str:
 def test_hostile_queries(live):
     """Ids, Last-Event-ID (query and header), usage dates, history cursors: real request ids
     too, so replays and cancels meet real rows and event streams."""
-    _, answer = _post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": MAX_TOKENS})
+    status, answer = _post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": MAX_TOKENS})
+    assert status == 200, answer
     real = answer["id"].removeprefix("cmpl-")
     ids = st.one_of(st.just(real), st.uuids().map(str), st.text(max_size=40),
                     st.sampled_from([real.upper(), real.replace("-", ""), "{" + real + "}",
