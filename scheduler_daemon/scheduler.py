@@ -400,7 +400,12 @@ class Scheduler:
             raise Refusal(
                 errors.CONTEXT_LENGTH_EXCEEDED,
                 f"this request needs {n_prompt} prompt tokens + {wanted} max_tokens = "
-                f"{n_prompt + wanted} tokens, more than the limit of {limit}",
+                f"{n_prompt + wanted} tokens, more than the limit of {limit}"
+                + (
+                    f" (one tenant's share of the {self.engine.n_ctx}-token context)"
+                    if limit < self.engine.n_ctx
+                    else ""
+                ),
                 param="max_tokens" if room >= 1 else "prompt",
                 prompt_tokens=n_prompt,
                 max_tokens=wanted,
