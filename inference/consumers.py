@@ -68,6 +68,7 @@ class _Running:
     task: asyncio.Task[None] | None = None
     request_id: str | None = None
     cancel_requested: bool = field(default=False)
+    ended: bool = False  # its terminal event went out: closing the socket cancels nothing
 
 
 class StreamConsumer(AsyncJsonWebsocketConsumer):
@@ -208,6 +209,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         if self._auth_timer is not None and self._auth_timer is not current:
             self._auth_timer.cancel()
         running = [run for run in getattr(self, "running", {}).values() if run.task is not current]
+        running = [run for run in running if not run.ended]
         started = [run.request_id for run in running if run.request_id is not None]
         if started:
             await asyncio.gather(*(service.cancel_quietly(r) for r in started))
@@ -218,7 +220,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                 task.cancel()  # again if need be: Python 3.11 can lose a cancellation
             _done, tasks = await asyncio.wait(tasks, timeout=0.2)
         for run in running:  # queued while we waited
-            if run.request_id is not None and run.request_id not in started:
+            if run.request_id is not None and run.request_id not in started and not run.ended:
                 await service.cancel_quietly(run.request_id)
 
     async def send_json(self, content: Any, close: bool = False) -> None:
@@ -284,9 +286,12 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         async with service.CancelIfAbandoned(request_id) as guard, aclosing(events) as stream:
             async for event in stream:
                 if event is not None:
+                    if event.is_terminal:  # before it goes out: closing now cancels nothing
+                        guard.ended = True
+                        run = self.running.get(client_id)
+                        if run is not None:
+                            run.ended = True
                     await self.send_json(_message(client_id, request_id, event))
-                    if event.is_terminal:
-                        guard.ended = True  # closing now cancels nothing
 
     async def _cancel(self, client_id: Any) -> None:
         run = self.running.get(client_id)
