@@ -205,6 +205,10 @@ class InferenceCore:
         """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``).
         ``max_queued``: this scope's cap on waiting requests (None: the configured one)."""
         arrival = time.monotonic()
+        if not isinstance(cache_scope, str):  # a key of the scheduler's own maps
+            raise InvalidParameter("cache_scope", "must be a string")
+        if session is not None and not isinstance(session, str):
+            raise InvalidParameter("session", "must be a string")
         self.scheduler.check_capacity()
         self.scheduler.check_scope_capacity(cache_scope, max_queued)
         tokens = self.prompt_tokens(prompt, messages)

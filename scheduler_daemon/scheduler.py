@@ -431,11 +431,11 @@ class Scheduler:
         ``session_max_bypass`` times per head. One scope's burst delays another scope's next
         request by at most one admission per other scope with waiting work."""
         while self._waiting:
-            if self._admit_session():
-                continue
             job = self._head()
             if job is None:
                 return  # every scope with waiting work is at its KV share
+            if self._admit_session(job):
+                continue
             if self._used_blocks + job.blocks > self._total_blocks:
                 return
             slot = self._choose_slot(job)
@@ -450,11 +450,8 @@ class Scheduler:
         try:
             self._assign(job, slot)
         except Exception as exc:
-            if slot.job is job:
-                self._used_blocks -= job.blocks
-            slot.job, slot.state, job.slot = None, SlotState.IDLE, None
-            self._forget(slot)
-            self._jobs.pop(job.id, None)
+            if slot.job is not job:  # failed before taking the slot: drop what prepare left
+                self._forget(slot)
             log.error("request %s could not start: %r", job.id, exc, exc_info=exc)
             self.counters["request_failures"] += 1
             error = {"code": errors.ENGINE_ERROR, "message": "this request failed to start"}
@@ -485,10 +482,10 @@ class Scheduler:
                 held[slot.job.cache_scope] += slot.job.blocks
         return held
 
-    def _admit_session(self) -> bool:
-        """A queued request whose session's slot is free takes it now if the KV budget allows."""
-        head = self._head()
-        if head is None or head.passed_over >= self.config.session_max_bypass:
+    def _admit_session(self, head: Job) -> bool:
+        """A queued request whose session's slot is free takes it now, ahead of ``head``, if
+        the KV budget allows."""
+        if head.passed_over >= self.config.session_max_bypass:
             return False  # this head has been passed over enough: it goes next
         pinned = {
             (s.scope, s.session): s
@@ -631,16 +628,10 @@ class Scheduler:
         """Sample and take one request's next token; whatever fails here fails that
         request alone (its sampler, its grammar, its text decoding, its stop strings)."""
         try:
-            token = job.sampler.sample(batch_index)
+            self._on_token(job, job.sampler.sample(batch_index), now)
         except GrammarEnded:
             self._note_first_token(job, now)
             self._finish(job, Status.FINISHED_STOPPED)
-            return
-        except Exception as exc:
-            self.fail_request(job.id, exc)
-            return
-        try:
-            self._on_token(job, token, now)
         except Exception as exc:
             self.fail_request(job.id, exc)
 

@@ -302,16 +302,17 @@ class DaemonTransport:
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(protocol.cancel_key(job.id))
         pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
-        cancelled, quarantined = pipe.execute()
+        # Before any native code sees the job: if it kills this daemon, the next one knows
+        # the job was running here (see _recover). Its terminal event, whatever it is,
+        # removes the record (_flush).
+        pipe.hset(self.running_key, job.id, fingerprint)
+        cancelled, quarantined, _ = pipe.execute()
         if cancelled:
             self._queue_terminal(job.id, entry_id, protocol.DONE, _cancelled_before_start())
             return
         if quarantined:
             self._refuse(job.id, entry_id, _quarantined_refusal())
             return
-        # Before any native code sees the job: if it kills this daemon, the next one knows
-        # the job was running here (see _recover).
-        self.redis.hset(self.running_key, job.id, fingerprint)
         with self._cond:
             self._buffer.held[job.id] = []
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
