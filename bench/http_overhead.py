@@ -45,12 +45,12 @@ from _common import ROOT, machine, model_path
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
 from scheduler_daemon.jobs import TokenEvent
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
+from wire.sampling import SamplingParams
 
 PROMPT_TOKENS = 100
 _DROP_JOBS = (
-    "import sys, redis; from scheduler_daemon import protocol; "
+    "import sys, redis; from wire import protocol; "
     "redis.Redis.from_url(sys.argv[1]).delete(protocol.jobs_stream(sys.argv[2]))"
 )
 N_CTX, N_BATCH, CHUNK = 8192, 2048, 512

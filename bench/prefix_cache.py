@@ -29,8 +29,8 @@ from _common import machine, model_path
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
+from wire.sampling import SamplingParams
 
 SYSTEM = (
     "You are Harbor, the customer assistant of Northwind Outfitters, a shop that sells outdoor "

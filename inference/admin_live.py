@@ -26,7 +26,7 @@ from django.views.decorators.http import require_POST
 from accounts.models import Tenant
 from inference import broker
 from inference.models import InferenceRequest
-from scheduler_daemon import protocol
+from wire import protocol
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 

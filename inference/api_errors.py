@@ -6,15 +6,8 @@ from typing import Any
 from django.http import JsonResponse
 
 from config.errors import error_body, error_type
-from scheduler_daemon import protocol
+from wire import errors, protocol
 
-# Errors after acceptance (no "status" in the event): what a non-streaming reply answers.
-_FAILURE_STATUS = {
-    protocol.INFERENCE_INTERRUPTED: 503,
-    "context_full": 503,
-    "timeout": 504,
-    "invalid_request_error": 400,  # the request's own fault found while running (its grammar)
-}
 _REFUSAL_KEYS = {
     "code", "message", "param", "status", "type", "finish_reason", "stop", "usage", "timings",
     "retry_after_s",
@@ -51,7 +44,7 @@ class ApiError(Exception):
     def from_event(cls, data: dict[str, Any]) -> ApiError:
         """An ``error`` event as an HTTP error: refusals carry their status, failures map."""
         code = data.get("code") or "internal_error"
-        status = int(data.get("status") or _FAILURE_STATUS.get(code, 500))
+        status = int(data.get("status") or errors.status_of(code))
         headers = {}
         if status in (429, 503):
             headers["Retry-After"] = str(data.get("retry_after_s") or 1)

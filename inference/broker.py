@@ -21,7 +21,7 @@ from django.conf import settings
 
 from config.env import env_float
 from inference.api_errors import ApiError
-from scheduler_daemon import protocol
+from wire import protocol
 
 SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 

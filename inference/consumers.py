@@ -34,7 +34,7 @@ from inference.api_errors import ApiError, invalid
 from inference.auth import BAD_KEY, NO_KEY, key_for
 from inference.broker import StreamEvent
 from inference.openai_request import CHAT, COMPLETION, parse_request
-from scheduler_daemon import protocol
+from wire import protocol
 
 log = logging.getLogger(__name__)
 

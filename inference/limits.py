@@ -35,7 +35,7 @@ from django.conf import settings
 from accounts.models import ApiKey, Tenant
 from inference import broker
 from inference.api_errors import ApiError
-from scheduler_daemon import protocol
+from wire import protocol
 
 RATE_LIMITED = "rate_limited"
 CONCURRENCY_LIMITED = "concurrency_limited"

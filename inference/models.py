@@ -4,6 +4,7 @@ from django.db import models
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
+from wire import status as request_status
 
 
 class InferenceRequestQuerySet(models.QuerySet):
@@ -20,11 +21,11 @@ class InferenceRequest(models.Model):
         CHAT = "chat", "Chat completion"
 
     class Status(models.TextChoices):
-        QUEUED = "queued", "Queued"
-        RUNNING = "running", "Running"
-        DONE = "done", "Done"
-        CANCELLED = "cancelled", "Cancelled"
-        ERROR = "error", "Error"
+        QUEUED = request_status.QUEUED, "Queued"
+        RUNNING = request_status.RUNNING, "Running"
+        DONE = request_status.DONE, "Done"
+        CANCELLED = request_status.CANCELLED, "Cancelled"
+        ERROR = request_status.ERROR, "Error"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="requests")

@@ -8,7 +8,7 @@ from typing import Any
 from inference.api_errors import ApiError
 from inference.broker import StreamEvent
 from inference.openai_request import CHAT
-from scheduler_daemon import protocol
+from wire import protocol
 
 DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE_FRAME = b": keep-alive\n\n"

@@ -1,6 +1,6 @@
 """Checking an OpenAI-style request body before anything is queued.
 
-Sampling fields are checked by ``scheduler_daemon.sampling`` and chat messages by
+Sampling fields are checked by ``wire.sampling`` and chat messages by
 ``scheduler_daemon.chat`` (pure Python, no llama_cpp), so the web refuses exactly what the
 daemon would. Every refusal is a 400 naming the field. The list of accepted fields is in
 docs/api.md; anything else is refused as ``unknown_parameter``.
@@ -19,10 +19,10 @@ from typing import Any, NoReturn
 from django.conf import settings
 
 from inference.api_errors import ApiError, invalid
-from scheduler_daemon import protocol
-from scheduler_daemon.chat import parse_messages
-from scheduler_daemon.errors import InvalidParameter
-from scheduler_daemon.sampling import FIELD_NAMES, SamplingParams, require_text
+from wire import protocol
+from wire.errors import InvalidParameter
+from wire.messages import parse_messages
+from wire.sampling import FIELD_NAMES, SamplingParams, require_text
 
 COMPLETION = "completion"
 CHAT = "chat"

@@ -21,12 +21,12 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
-from inference import broker, db, limits, metrics
+from inference import broker, db, history, limits, metrics
 from inference.api_errors import ApiError, invalid, unavailable
 from inference.broker import StreamEvent
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
-from scheduler_daemon import protocol
+from wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ def _abandon(tenant_id: int, request_id: str) -> None:
     """A request admitted but never queued (its caller went away, or queueing failed):
     its row ends cancelled; its slot and token reservation are freed."""
     try:
-        InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
-            status=InferenceRequest.Status.CANCELLED, finish_reason="cancelled",
-            finished=timezone.now(),
-        )
+        history.abandon(request_id)
     finally:
         limits.release_sync(tenant_id, request_id)
 
@@ -122,10 +119,8 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     reserve = limits.reservation(parsed.prompt, parsed.messages, parsed.params.get("max_tokens"))
     limits.admit_key_sync(api_key, request_id, reserve=reserve)
     try:
-        return InferenceRequest.objects.create(
-            id=request_id, tenant_id=api_key.tenant_id, api_key=api_key, kind=parsed.kind,
-            model=parsed.model, session=parsed.session,
-        )
+        return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
+                              parsed.model, parsed.session)
     except BaseException:
         limits.release_sync(api_key.tenant_id, request_id)
         raise
@@ -358,12 +353,7 @@ async def cancel_quietly(request_id: str) -> None:
 def close_row(request_id: str, error_code: str) -> None:
     """Close a row the daemon cannot close (it is gone): status error; free its
     concurrency slot (the daemon frees it only when it writes the end)."""
-    InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
-        status=InferenceRequest.Status.ERROR, error_code=error_code, finish_reason="error",
-        finished=timezone.now(),
-    )
-    rows = InferenceRequest.objects.filter(id=request_id)
-    tenant_id = rows.values_list("tenant_id", flat=True).first()
+    tenant_id = history.close_interrupted(request_id, error_code)
     if tenant_id is not None:
         limits.release_sync(tenant_id, request_id)
 

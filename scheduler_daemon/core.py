@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors
-from .chat import ChatRenderer, parse_messages
-from .errors import InvalidParameter, Refusal
+from wire import errors
+from wire.errors import InvalidParameter, Refusal
+from wire.messages import parse_messages
+from wire.sampling import SamplingParams
+
+from .chat import ChatRenderer
 from .jobs import Event, FinishedEvent, Request, TickStats, TokenEvent
-from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,9 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from wire.errors import InvalidParameter
+from wire.sampling import SamplingParams
+
 from .engine_api import (
     DECODE_ABORTED,
     DECODE_KV_FULL,
@@ -27,8 +30,6 @@ from .engine_api import (
     GrammarEnded,
     RowFailed,
 )
-from .errors import InvalidParameter
-from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("llama_cpp")

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, Protocol
 
-from .sampling import SamplingParams
+from wire.sampling import SamplingParams
+
 from .textstream import TextStream
 
 

@@ -18,7 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import errors
+from wire import errors
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
+
 from .engine_api import (
     DECODE_ABORTED,
     DECODE_KV_FULL,
@@ -27,7 +30,6 @@ from .engine_api import (
     GrammarEnded,
     RowFailed,
 )
-from .errors import Refusal
 from .jobs import (
     FINISH_REASON,
     CacheEvent,
@@ -45,7 +47,6 @@ from .jobs import (
 )
 from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
 from .ram_cache import RamCache
-from .sampling import SamplingParams
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)

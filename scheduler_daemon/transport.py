@@ -32,11 +32,13 @@ from typing import Any
 
 import redis
 
-from . import history, protocol
+from wire import errors, protocol
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
+
 from .core import InferenceCore
-from .errors import Refusal
+from .history import HistorySink, NoHistory
 from .jobs import Event, FinishedEvent, TokenEvent
-from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request
@@ -135,11 +137,13 @@ class DaemonTransport:
         config_info: dict[str, Any] | None = None,
         stream_interval_s: float = 0.0,
         fault_injection: bool = False,
+        history: HistorySink | None = None,
     ) -> None:
         """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
         most this often, several to one event; its first token, ``accepted`` and the end go
         at once. 0: every tick's tokens are written at the end of that tick."""
         self.core = core
+        self.history: HistorySink = history or NoHistory()
         self.redis = client
         self.model = model
         self.daemon_id = daemon_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -358,7 +362,7 @@ class DaemonTransport:
     def _refuse(self, request_id: str, entry_id: str, refusal: Refusal) -> None:
         """Answer a job the daemon will not run with its error event (and count it)."""
         self.rejected[refusal.code] += 1
-        data = {**refusal.as_dict(), "status": protocol.REFUSAL_STATUS.get(refusal.code, 400)}
+        data = {**refusal.as_dict(), "status": errors.status_of(refusal.code)}
         self._queue_terminal(request_id, entry_id, protocol.ERROR, data)
 
     def _ack_quietly(self, entry_id: str) -> None:
@@ -513,7 +517,7 @@ class DaemonTransport:
         ended: list[tuple[str, str, int]] = []  # (tenant id, request id, tokens used)
         for item in items:
             if item.kind in protocol.TERMINAL:
-                history.mark_finished(
+                self.history.mark_finished(
                     item.request_id,
                     item.data.get("finish_reason", "error"),
                     item.data.get("usage"),
@@ -546,7 +550,7 @@ class DaemonTransport:
             raise
         for item in items:
             if item.kind == protocol.ACCEPTED:
-                history.mark_running(item.request_id, item.data["prompt_tokens"])
+                self.history.mark_running(item.request_id, item.data["prompt_tokens"])
             elif item.kind in protocol.TERMINAL:
                 self._log_end(item)
 

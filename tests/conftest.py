@@ -81,7 +81,7 @@ def fresh_tenant_limits():
     (rolled-back transactions), so one test's counters would otherwise hit the next's tenant."""
     import redis
 
-    from scheduler_daemon import protocol
+    from wire import protocol
 
     client = redis.Redis.from_url(TEST_REDIS_URL)
     keys = list(client.scan_iter(f"{protocol.PREFIX}:limit:*", count=1000))

@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from scheduler_daemon import protocol
+from wire import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -12,7 +12,7 @@ from django.test import Client
 from django.utils import timezone
 
 from inference.models import InferenceRequest
-from scheduler_daemon import protocol
+from wire import protocol
 
 STATE_URL = "/admin/live/state.json"
 ACTION_URL = "/admin/live/action"

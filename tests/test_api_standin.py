@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from scheduler_daemon import protocol
 from tests.live_service import echo, wait_until
+from wire import protocol
 
 HELLO = [{"role": "user", "content": "Hi"}]
 

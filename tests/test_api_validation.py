@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from inference.models import InferenceRequest
-from scheduler_daemon import protocol
 from tests.conftest import bearer
 from tests.live_service import StandIn, redis_conn
+from wire import protocol
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -6,8 +6,8 @@ import uuid
 import pytest
 
 from inference import broker, service
-from scheduler_daemon import protocol
 from tests.live_service import StandIn, redis_conn
+from wire import protocol
 
 pytestmark = pytest.mark.asyncio
 

@@ -44,8 +44,8 @@ from hypothesis.control import currently_in_test_context
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
-from scheduler_daemon import protocol
 from tests.live_service import ROOT, RealDaemon, WebServer
+from wire import errors
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ MAX_TOKENS = 4  # generated tokens per request: the model runs, briefly
 SCHEMATHESIS_MAX_EXAMPLES = 25  # per operation, fuzzing phase (coverage: every case it defines)
 SEED = 12
 # (a refusal of the daemon, as an error event: these are 4xx; anything else is a failure)
-CLIENT_ERROR_CODES = {code for code, status in protocol.REFUSAL_STATUS.items() if status < 500}
+CLIENT_ERROR_CODES = {code for code, entry in errors.CODES.items() if entry.status < 500}
 FUZZ = settings(
     derandomize=True, database=None, deadline=None, print_blob=False,
     phases=[Phase.explicit, Phase.generate],  # no shrinking: each try is a live request

@@ -20,12 +20,12 @@ from django.utils import timezone
 from accounts.authentication import authenticate_key
 from inference import service
 from inference.models import InferenceRequest
-from scheduler_daemon import protocol
-from scheduler_daemon.chat import parse_messages
-from scheduler_daemon.errors import InvalidParameter
-from scheduler_daemon.sampling import SamplingParams
 from tests.conftest import bearer
 from tests.live_service import StandIn
+from wire import protocol
+from wire.errors import InvalidParameter
+from wire.messages import parse_messages
+from wire.sampling import SamplingParams
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -14,7 +14,7 @@ import pytest
 from accounts.models import Tenant
 from inference import limits
 from inference.api_errors import ApiError
-from scheduler_daemon import protocol
+from wire import protocol
 
 # Mid-minute, so a test never straddles a window boundary.
 NOW = (time.time() // 60) * 60 + 20

@@ -9,9 +9,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_daemon import protocol
 from tests.live_service import redis_conn, wait_until
 from tests.test_limits_http import assert_429, make_tenant
+from wire import protocol
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import sys
 import time
 import uuid
 
-from scheduler_daemon import protocol
 from tests.live_service import ROOT, StandIn, echo, redis_conn, wait_until
+from wire import protocol
 
 HELLO = [{"role": "user", "content": "Hi"}]
 

@@ -16,8 +16,8 @@ from accounts.models import ApiKey, Tenant
 from inference import limits, service
 from inference.api_errors import ApiError
 from inference.openai_request import CHAT, COMPLETION, parse_request
-from scheduler_daemon import protocol
 from tests.live_service import StandIn
+from wire import protocol
 
 NOW = (time.time() // 60) * 60 + 20  # mid-minute: no test straddles a window
 

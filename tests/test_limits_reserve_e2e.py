@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from inference import limits
-from scheduler_daemon import protocol
 from tests.live_service import redis_conn, wait_until
 from tests.test_limits_http import make_tenant
+from wire import protocol
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference import limits, metrics
 from inference.api_errors import ApiError
-from scheduler_daemon import protocol
+from wire import protocol
 
 URL = "/metrics"  # also served at /v1/metrics
 

@@ -14,8 +14,8 @@ from channels.testing import WebsocketCommunicator
 from config.asgi import application
 from inference import broker
 from inference.api_errors import ApiError
-from scheduler_daemon import protocol
 from tests.live_service import StandIn, echo, wait_until
+from wire import protocol
 
 pytestmark = pytest.mark.asyncio
 GUARD_S = 30  # hang guard

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 
-from scheduler_daemon import protocol
 from tests.live_service import StandIn, redis_conn, wait_until
 from tests.test_limits_http import assert_429, chat, make_tenant, shell
+from wire import protocol
 
 GUARD_S = 30  # hang guard
 

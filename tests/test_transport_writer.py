@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from scheduler_daemon import protocol
 from scheduler_daemon.jobs import TokenEvent
 from scheduler_daemon.transport import DaemonTransport
 from tests.live_service import redis_conn
+from wire import protocol
 
 
 class FlakyRedis:

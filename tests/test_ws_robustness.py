@@ -19,8 +19,8 @@ from accounts.models import Tenant
 from config.asgi import application
 from inference import consumers
 from inference.models import InferenceRequest
-from scheduler_daemon import protocol
 from tests.live_service import StandIn, echo, redis_conn, wait_until
+from wire import protocol
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 PATH = "/ws/v1/stream"

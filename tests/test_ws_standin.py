@@ -7,8 +7,8 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
-from scheduler_daemon import protocol
 from tests.live_service import StandIn, echo, wait_until
+from wire import protocol
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 PATH = "/ws/v1/stream"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler_daemon import protocol
+from wire import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from scheduler_daemon import protocol
 from scheduler_daemon.transport import FAULT_MARKER, job_fingerprint
+from wire import protocol
 
 pytestmark = pytest.mark.slow
 

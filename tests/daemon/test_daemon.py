@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from scheduler_daemon import protocol
+from wire import protocol
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_daemon.engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
-from scheduler_daemon.sampling import SamplingParams
+from wire.sampling import SamplingParams
 
 EOG = 2
 

@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from scheduler_daemon import protocol
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine_api import GrammarEnded, RowFailed
-from scheduler_daemon.errors import Refusal
 from scheduler_daemon.jobs import Request
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
 from scheduler_daemon.transport import _FairQueue, job_fingerprint
+from wire import protocol
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine, FakeSampler
 

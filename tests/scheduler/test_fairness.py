@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler_daemon.jobs import Request
-from scheduler_daemon.sampling import SamplingParams
+from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine
 

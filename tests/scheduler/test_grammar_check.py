@@ -16,10 +16,10 @@ import textwrap
 
 import pytest
 
-from scheduler_daemon import grammar_check as gc
-from scheduler_daemon.errors import InvalidParameter
-from scheduler_daemon.grammar_check import check_grammar, check_json_schema, grammar_stats
-from scheduler_daemon.sampling import SamplingParams
+from wire import grammar_check as gc
+from wire.errors import InvalidParameter
+from wire.grammar_check import check_grammar, check_json_schema, grammar_stats
+from wire.sampling import SamplingParams
 
 # llama.cpp's grammars/json.gbnf (MIT licence), as vendored in llama-cpp-python 0.3.36.
 LLAMA_JSON_GBNF = r"""root   ::= object

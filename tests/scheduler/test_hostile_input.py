@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.errors import Refusal
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

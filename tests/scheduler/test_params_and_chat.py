@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from scheduler_daemon.chat import ChatRenderer, parse_messages
-from scheduler_daemon.errors import InvalidParameter
-from scheduler_daemon.sampling import SamplingParams
+from scheduler_daemon.chat import ChatRenderer
+from wire.errors import InvalidParameter
+from wire.messages import parse_messages
+from wire.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_daemon.errors import Refusal
 from scheduler_daemon.jobs import Request, SlotState
-from scheduler_daemon.sampling import SamplingParams
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
 
 from .fake_engine import EOG, FakeEngine
 

@@ -16,8 +16,8 @@ import pytest
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.jobs import TokenEvent
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
+from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

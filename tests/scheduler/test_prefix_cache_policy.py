@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduler_daemon.jobs import Request
 from scheduler_daemon.ram_cache import RamCache
-from scheduler_daemon.sampling import SamplingParams
+from wire.sampling import SamplingParams
 
 from .fake_engine import STATE_HEADER_BYTES, FakeEngine
 
@@ -359,7 +359,7 @@ def test_snapshot_lists_cache_entries_without_tokens(harness):
 
 def test_evict_scope_forgets_only_that_scope_in_idle_slots(harness):
     from scheduler_daemon.jobs import Request
-    from scheduler_daemon.sampling import SamplingParams
+    from wire.sampling import SamplingParams
 
     h = harness()
     for rid, scope in (("a", "t1"), ("b", "t2")):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.errors import InvalidParameter, Refusal
 from scheduler_daemon.jobs import TokenEvent
-from scheduler_daemon.sampling import SamplingParams
 from scheduler_daemon.scheduler import SchedulerConfig
+from wire.errors import InvalidParameter, Refusal
+from wire.sampling import SamplingParams
 
 from .conftest import model_path
 

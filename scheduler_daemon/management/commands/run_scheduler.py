@@ -20,6 +20,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from inference.history import DatabaseHistory
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.supervisor import supervise
 from scheduler_daemon.transport import DaemonTransport
@@ -96,6 +97,7 @@ class Command(BaseCommand):
             config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
             stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
             fault_injection=settings.FAULT_INJECTION,
+            history=DatabaseHistory(),
         )
         core.start()
         transport.start()

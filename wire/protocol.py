@@ -26,6 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import (  # noqa: F401  (re-exported: codes the wire names)
+    INFERENCE_INTERRUPTED,
+    REQUEST_QUARANTINED,
+    SCHEDULER_UNAVAILABLE,
+)
+
 PREFIX = "llm"
 JOBS_GROUP = "daemons"
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
@@ -45,9 +51,7 @@ DONE = "done"
 ERROR = "error"
 TERMINAL = frozenset({DONE, ERROR})
 
-# Error codes written by the daemon side (the web side maps them to HTTP statuses).
-INFERENCE_INTERRUPTED = "inference_interrupted"
-SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
+# Error codes live in wire/errors.py (each with its HTTP status and OpenAI type).
 
 
 def jobs_stream(model: str) -> str:
@@ -100,7 +104,6 @@ def decode_command(fields: dict[Any, Any]) -> dict[str, Any]:
 RUNNING_TTL_S = 24 * 3600  # refreshed by every heartbeat
 DEATHS_TTL_S = 24 * 3600
 QUARANTINE_HASH = f"{PREFIX}:quarantine"
-REQUEST_QUARANTINED = "request_quarantined"
 
 
 def running_key(daemon_id: str) -> str:
@@ -176,17 +179,6 @@ def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dic
 #     queue_full 503, context_length_exceeded 400, empty_prompt 400,
 #     invalid_request_error 400, shutting_down 503; after acceptance: context_full,
 #     engine_error, inference_interrupted (no status: the stream is already open).
-REFUSAL_STATUS = {
-    "queue_full": 503,
-    "shutting_down": 503,
-    "context_length_exceeded": 400,
-    "empty_prompt": 400,
-    "invalid_request_error": 400,
-    "duplicate_request_id": 409,
-    "request_quarantined": 400,
-    "tenant_queue_full": 429,
-    "internal_error": 500,
-}
 
 
 # -- tenant limits and usage (issue 7) ----------------------------------------------------------

@@ -1,0 +1,125 @@
+"""Every error code a client can see, in one table, with its HTTP status and OpenAI type.
+
+Both sides name codes from here: the daemon raises ``Refusal`` (before a job starts) or
+writes an ``error`` event (after acceptance); the web answers with ``CODES[code]``'s status
+and type in OpenAI's shape ({"error": {"message", "type", "param", "code"}}). The table
+in docs/api.md is generated from nothing else: ``tests/test_errors.py`` checks the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+INVALID_REQUEST = "invalid_request_error"
+RATE_LIMIT = "rate_limit_error"
+SERVER_ERROR = "server_error"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorCode:
+    """A code clients match on: the HTTP status it is answered with, and OpenAI's type."""
+
+    code: str
+    status: int
+    type: str
+    summary: str
+
+
+def _codes(*entries: tuple[str, int, str]) -> dict[str, ErrorCode]:
+    out = {}
+    for code, status, summary in entries:
+        kind = RATE_LIMIT if status == 429 else SERVER_ERROR if status >= 500 else INVALID_REQUEST
+        out[code] = ErrorCode(code, status, kind, summary)
+    return out
+
+
+CODES: dict[str, ErrorCode] = _codes(
+    # the request itself
+    ("invalid_request_error", 400, "a field has a wrong type or value; param names it"),
+    ("parse_error", 400, "the body is not JSON"),
+    ("request_too_large", 400, "the body is larger than the web accepts"),
+    ("empty_prompt", 400, "the prompt has no tokens"),
+    ("context_length_exceeded", 400, "prompt + max_tokens exceed the context (or a tenant share)"),
+    ("request_quarantined", 400, "it stopped the daemon twice (an operator may release it)"),
+    ("model_not_found", 400, "no such model"),
+    ("invalid_api_key", 401, "no key, or not a usable one"),
+    ("permission_denied", 403, "the key may not do this"),
+    ("not_found", 404, "no such resource (or another tenant's)"),
+    ("events_expired", 404, "the request's event stream has expired"),
+    ("method_not_allowed", 405, "wrong HTTP method"),
+    ("duplicate_request_id", 409, "a request with this id is already running"),
+    # limits
+    ("rate_limited", 429, "too many requests"),
+    ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
+    ("tpm_exceeded", 429, "tokens per minute over the tenant's limit"),
+    ("concurrency_limited", 429, "too many requests in flight for the tenant"),
+    ("budget_exceeded", 429, "the tenant's monthly token budget is spent"),
+    ("tenant_queue_full", 429, "the tenant has too many requests queued in the daemon"),
+    # the service
+    ("internal_error", 500, "a bug; the request alone failed"),
+    ("engine_error", 500, "llama.cpp failed on this request"),
+    ("queue_full", 503, "the daemon's queue is full"),
+    ("shutting_down", 503, "the daemon is draining"),
+    ("scheduler_unavailable", 503, "no live daemon serves the model"),
+    ("service_unavailable", 503, "the web process is at capacity (Redis pool, streams)"),
+    ("inference_interrupted", 503, "the daemon died while the request ran"),
+    ("context_full", 503, "the KV cache filled while the request ran"),
+    ("timeout", 504, "the request ran past its time limit"),
+)
+
+# Codes the daemon names (constants for code that spells them).
+INVALID_REQUEST_ERROR = "invalid_request_error"
+QUEUE_FULL = "queue_full"
+TENANT_QUEUE_FULL = "tenant_queue_full"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+EMPTY_PROMPT = "empty_prompt"
+CONTEXT_FULL = "context_full"
+SHUTTING_DOWN = "shutting_down"
+DUPLICATE_ID = "duplicate_request_id"
+ENGINE_ERROR = "engine_error"
+INTERNAL_ERROR = "internal_error"
+INFERENCE_INTERRUPTED = "inference_interrupted"
+SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
+REQUEST_QUARANTINED = "request_quarantined"
+
+
+def status_of(code: str | None) -> int:
+    """The HTTP status a code is answered with (500 for a code not in the table)."""
+    entry = CODES.get(code or "")
+    return entry.status if entry else 500
+
+
+def type_of(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    if status == 429:
+        return RATE_LIMIT
+    return SERVER_ERROR if status >= 500 else INVALID_REQUEST
+
+
+def error_body(message: str, type: str, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error document."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class Refusal(Exception):
+    """A request the scheduler will not take. Raised by ``submit`` before anything is queued."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.details = details
+
+    def as_dict(self) -> dict[str, Any]:
+        """The refusal as plain data (for logs and the wire)."""
+        return {"code": self.code, "message": self.message, "param": self.param, **self.details}
+
+
+class InvalidParameter(Refusal):
+    """A request field with a wrong type or value; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__("invalid_request_error", f"{param}: {message}", param=param)
