@@ -1,5 +1,6 @@
 """Tenant limits against the real test Redis: each limit under and over, the admission
 script's atomicity under concurrent bursts, slot release and expiry, the monthly budget.
+(The sliding windows and the all-or-nothing admission: tests/test_limits_window.py.)
 
 Each test uses its own tenant id (unique keys), so nothing here needs a flush."""
 
@@ -14,9 +15,10 @@ import pytest
 from accounts.models import Tenant
 from inference import limits
 from inference.api_errors import ApiError
-from wire import protocol
+from wire import errors
+from wire import limits as wire_limits
 
-# Mid-minute, so a test never straddles a window boundary.
+# A whole second, mid-minute (the windows slide: the minute no longer matters).
 NOW = (time.time() // 60) * 60 + 20
 
 
@@ -31,14 +33,15 @@ def admit(tenant: str, lim: limits.Limits, now: float = NOW) -> str | None:
     except ApiError as error:
         assert error.status == 429
         assert int(error.headers["Retry-After"]) >= 1
-        assert error.body()["error"]["type"] == "rate_limit_error"
+        assert error.body()["error"]["type"] == errors.CODES[error.code].type == "rate_limit_error"
+        assert error.body()["error"]["retry_after_s"] == int(error.headers["Retry-After"])
         return error.code
     return None
 
 
 def record(redis_client, tenant: str, request_id: str, tokens: int, now: float = NOW) -> None:
     pipe = redis_client.pipeline(transaction=False)
-    protocol.record_usage(pipe, tenant, request_id, tokens, now)
+    wire_limits.record_usage(pipe, tenant, request_id, tokens, now)
     pipe.execute()
 
 
@@ -47,17 +50,26 @@ def test_unlimited_admits_everything():
     assert [admit(t, limits.Limits()) for _ in range(30)] == [None] * 30
 
 
-def test_requests_per_minute_then_the_next_minute_admits_again():
+def test_requests_per_minute_then_a_minute_later_admits_again():
     t, lim = tenant_id(), limits.Limits(requests_per_minute=3)
-    assert [admit(t, lim) for _ in range(4)] == [None, None, None, "rate_limited"]
-    assert admit(t, lim, now=NOW + 60) is None
+    assert [admit(t, lim) for _ in range(4)] == [None, None, None, "rpm_exceeded"]
+    assert admit(t, lim, now=NOW + 60) == "rpm_exceeded"  # a request counts 60 to 61 s
+    assert admit(t, lim, now=NOW + 61) is None
 
 
-def test_rate_limited_retry_after_is_the_rest_of_the_minute():
-    t, lim = tenant_id(), limits.Limits(requests_per_minute=0)
+def test_rpm_retry_after_is_when_the_oldest_request_leaves_the_window():
+    t, lim = tenant_id(), limits.Limits(requests_per_minute=1)
+    assert admit(t, lim) is None
     with pytest.raises(ApiError) as caught:
-        limits.admit_sync(t, "r", lim, now=NOW)
-    assert caught.value.code == "rate_limited" and caught.value.headers["Retry-After"] == "40"
+        limits.admit_sync(t, "r", lim, now=NOW + 20.5)
+    assert caught.value.code == "rpm_exceeded" and caught.value.headers["Retry-After"] == "41"
+    assert "1 requests in the last minute" in caught.value.message
+
+
+def test_zero_requests_per_minute_never_admits():
+    t = tenant_id()
+    assert admit(t, limits.Limits(requests_per_minute=0)) == "rpm_exceeded"
+    assert admit(t, limits.Limits(requests_per_minute=0), now=NOW + 3600) == "rpm_exceeded"
 
 
 def test_tokens_per_minute_counts_recorded_usage(redis_client):
@@ -66,8 +78,9 @@ def test_tokens_per_minute_counts_recorded_usage(redis_client):
     record(redis_client, t, "r1", 99)
     assert admit(t, lim) is None
     record(redis_client, t, "r2", 1)
-    assert admit(t, lim) == "rate_limited"
-    assert admit(t, lim, now=NOW + 60) is None  # a new minute
+    assert admit(t, lim) == "tpm_exceeded"
+    assert admit(t, lim, now=NOW + 60) == "tpm_exceeded"  # still in the last minute
+    assert admit(t, lim, now=NOW + 61) is None
 
 
 def test_max_concurrent_and_release(redis_client):
@@ -97,11 +110,11 @@ def test_monthly_budget_refuses_until_raised(redis_client):
     t = str(tenant.id)
     record(redis_client, t, "r1", 1000)
     with pytest.raises(ApiError) as caught:
-        limits.admit_sync(t, "r2", limits.Limits.for_tenant(tenant.id), now=NOW)
+        limits.admit_sync(t, "r2", limits.tenant_limits(tenant.id), now=NOW)
     assert caught.value.code == "budget_exceeded"
     assert int(caught.value.headers["Retry-After"]) > 60  # the next month
     Tenant.objects.filter(pk=tenant.id).update(monthly_token_budget=2000)
-    limits.admit_sync(t, "r3", limits.Limits.for_tenant(tenant.id), now=NOW)
+    limits.admit_sync(t, "r3", limits.tenant_limits(tenant.id), now=NOW)
     assert limits.current_usage_sync(t, now=NOW)["tokens_this_month"] == 1000
 
 

@@ -1,7 +1,7 @@
 """Token limits reserved at admission (issue 12): concurrency cannot take a tenant past its
 monthly budget or tokens per minute. Against the real test Redis and the admission's Lua
-script; the daemon's side is played by ``protocol.record_usage`` (what transport._flush
-queues at a request's end)."""
+script; the daemon's side is played by ``wire.limits.record_usage`` (what the daemon's
+writer queues at a request's end)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +17,9 @@ from inference import limits, service
 from inference.api_errors import ApiError
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from tests.live_service import StandIn
-from wire import protocol
+from wire import limits as wire_limits
 
-NOW = (time.time() // 60) * 60 + 20  # mid-minute: no test straddles a window
+NOW = (time.time() // 60) * 60 + 20
 
 
 def tenant_id() -> str:
@@ -28,7 +28,7 @@ def tenant_id() -> str:
 
 def record(redis_client, tenant: str, request_id: str, tokens: int, now: float = NOW) -> None:
     pipe = redis_client.pipeline(transaction=False)
-    protocol.record_usage(pipe, tenant, request_id, tokens, now)
+    wire_limits.record_usage(pipe, tenant, request_id, tokens, now)
     pipe.execute()
 
 
@@ -42,7 +42,7 @@ def admit(tenant: str, lim: limits.Limits, reserve: int, now: float = NOW,
 
 
 def month_used(redis_client, tenant: str, now: float = NOW) -> int:
-    return int(redis_client.get(protocol.usage_keys(tenant, now)[1]) or 0)
+    return int(redis_client.get(wire_limits.month_key(tenant, now)) or 0)
 
 
 # -- the estimate ----------------------------------------------------------------------------
@@ -67,8 +67,7 @@ def test_eight_concurrent_admissions_never_reserve_past_the_limit(redis_client, 
     """Budget 1000 with 950 used: 50 left. Eight threads each want a request that may use
     28 tokens; before reservations all eight were admitted (and used 8 x 28)."""
     t = tenant_id()
-    minute_key, month_key = protocol.usage_keys(t, NOW)
-    redis_client.set(month_key if field == "monthly_token_budget" else minute_key, 950, ex=600)
+    record(redis_client, t, "earlier", 950)  # charged to the minute and the month
     lim = limits.Limits(**{field: 1000})
     reserve = limits.reservation("hi", None, 10)
     assert 25 < reserve <= 50
@@ -89,8 +88,8 @@ def test_eight_concurrent_admissions_never_reserve_past_the_limit(redis_client, 
     assert len(admitted) == 1  # 50 left, each may take 28
     for request_id in admitted:  # they end, each using all it reserved
         record(redis_client, t, request_id, reserve)
-    used = int(redis_client.get(month_key if field == "monthly_token_budget" else minute_key))
-    assert used <= 1000
+    usage = limits.current_usage_sync(t, now=NOW)
+    assert usage["tokens_this_month"] == usage["tokens_this_minute"] == 950 + reserve <= 1000
 
 
 def test_a_reservation_is_replaced_by_actual_usage_at_the_end(redis_client):
@@ -102,7 +101,7 @@ def test_a_reservation_is_replaced_by_actual_usage_at_the_end(redis_client):
     record(redis_client, t, "a", 20)  # a used 20 of its 60
     assert month_used(redis_client, t) == 20
     assert admit(t, lim, 60, request_id="b") is None  # 20 used + 60 fits in 100
-    assert redis_client.hget(protocol.reserved_key(t), "a") is None
+    assert redis_client.hget(wire_limits.reserved_key(t), "a") is None
 
 
 def test_a_request_larger_than_what_is_left_is_refused_until_next_month(redis_client):
@@ -118,7 +117,7 @@ def test_a_request_larger_than_what_is_left_is_refused_until_next_month(redis_cl
 def test_a_request_larger_than_the_whole_limit_says_so():
     t = tenant_id()
     error = admit(t, limits.Limits(tokens_per_minute=50), 51)
-    assert error is not None and error.code == "rate_limited" and error.param == "max_tokens"
+    assert error is not None and error.code == "tpm_exceeded" and error.param == "max_tokens"
     error = admit(t, limits.Limits(monthly_token_budget=50), 51)
     assert error is not None and error.code == "budget_exceeded"
 
@@ -138,20 +137,20 @@ def test_a_lost_reservation_expires_with_its_slot(redis_client):
     assert admit(t, lim, 80) is not None
     later = NOW + limits.slot_ttl_s() + 1
     assert admit(t, lim, 80, now=later) is None
-    assert redis_client.hget(protocol.reserved_key(t), "lost") is None
+    assert redis_client.hget(wire_limits.reserved_key(t), "lost") is None
 
 
 def test_a_reservation_without_its_slot_counts_for_nothing(redis_client):
     t, lim = tenant_id(), limits.Limits(monthly_token_budget=100)
-    redis_client.hset(protocol.reserved_key(t), "orphan", 90)
+    redis_client.hset(wire_limits.reserved_key(t), "orphan", 90)
     assert admit(t, lim, 80) is None
-    assert redis_client.hget(protocol.reserved_key(t), "orphan") is None
+    assert redis_client.hget(wire_limits.reserved_key(t), "orphan") is None
 
 
 def test_no_token_limit_reserves_nothing(redis_client):
     t = tenant_id()
     assert admit(t, limits.Limits(max_concurrent=5), 10_000, request_id="a") is None
-    assert not redis_client.exists(protocol.reserved_key(t))
+    assert not redis_client.exists(wire_limits.reserved_key(t))
 
 
 def test_record_usage_keeps_its_signature_and_is_idempotent_for_the_slot(redis_client):
@@ -183,7 +182,7 @@ async def test_eight_concurrent_requests_with_50_tokens_left_stay_within_the_bud
     try:
         api_key = await _tenant_with_budget(1000)
         tenant = str(api_key.tenant_id)
-        _, month_key = protocol.usage_keys(tenant, time.time())
+        month_key = wire_limits.month_key(tenant, time.time())
         redis_client.set(month_key, 950, ex=3600)
         parsed = [parse_request(COMPLETION, {"model": standin.model, "prompt": "hi",
                                              "max_tokens": 10}) for _ in range(8)]

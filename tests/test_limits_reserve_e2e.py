@@ -12,7 +12,7 @@ import pytest
 from inference import limits
 from tests.live_service import redis_conn, wait_until
 from tests.test_limits_http import make_tenant
-from wire import protocol
+from wire import limits as wire_limits
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_eight_concurrent_requests_stay_within_the_budget(web, daemon):
     tenant_id, key = make_tenant(web, monthly_token_budget=1000)
     r = redis_conn()
-    _, month_key = protocol.usage_keys(str(tenant_id), time.time())
+    month_key = wire_limits.month_key(str(tenant_id), time.time())
     r.set(month_key, 950, ex=3600)  # 50 tokens left
     body = {"model": daemon.model, "prompt": "Once upon a time", "max_tokens": 8,
             "temperature": 0, "ignore_eos": True}
@@ -40,7 +40,7 @@ def test_eight_concurrent_requests_stay_within_the_budget(web, daemon):
     used = sum(body["usage"]["total_tokens"] for status, body in results if status == 200)
     wait_until(lambda: int(r.get(month_key)) == 950 + used, timeout_s=30)
     assert int(r.get(month_key)) <= 1000
-    wait_until(lambda: not r.hlen(protocol.reserved_key(str(tenant_id))), timeout_s=30)
+    wait_until(lambda: not r.hlen(wire_limits.reserved_key(str(tenant_id))), timeout_s=30)
 
 
 def test_the_prompt_estimate_bounds_the_real_prompt(web, daemon):

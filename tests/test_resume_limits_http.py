@@ -8,6 +8,7 @@ import threading
 
 from tests.live_service import StandIn, redis_conn, wait_until
 from tests.test_limits_http import assert_429, chat, make_tenant, shell
+from wire import limits as wire_limits
 from wire import protocol
 
 GUARD_S = 30  # hang guard
@@ -21,7 +22,7 @@ def hold(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
 
 
 def resume_slots(tenant_id: int) -> list[bytes]:
-    members = redis_conn().zrange(protocol.inflight_key(str(tenant_id)), 0, -1)
+    members = redis_conn().zrange(wire_limits.inflight_key(str(tenant_id)), 0, -1)
     return [m for m in members if m.startswith(b"resume:")]
 
 

@@ -181,67 +181,12 @@ def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dic
 #     engine_error, inference_interrupted (no status: the stream is already open).
 
 
-# -- tenant limits and usage (issue 7) ----------------------------------------------------------
-# The web admits a request with one Lua script (inference/limits.py) over these keys, and
-# reserves the most tokens it can use when the tenant has a token limit; the daemon records
-# actual usage, drops the reservation and frees the request's concurrency slot when it
-# writes the terminal event (transport._flush), in the same pipeline. Tenant ids are the DB
-# ids.
-#
-# In-flight ``llm:limit:inflight:<tenant>``   sorted set: request id -> expiry (unix s); a
-#                                             resume holds a ``resume:<hex>`` member.
-#                                             Members past their expiry are dropped on each
-#                                             admission, so a crash never leaks a slot.
-# Reserved  ``llm:limit:reserved:<tenant>``   hash: request id -> tokens reserved at
-#                                             admission (prompt estimate + max_tokens); counts
-#                                             against the token limits while the request's
-#                                             in-flight member lives (dropped with it).
-# Requests  ``llm:limit:rpm:<tenant>:<min>``  admitted requests in one UTC minute (unix s // 60)
-# Tokens    ``llm:limit:tpm:<tenant>:<min>``  prompt + completion tokens finished in that minute
-# Month     ``llm:usage:month:<tenant>:<YYYYMM>``  prompt + completion tokens in a UTC month
-# Refusals  ``llm:limit:refusals``            hash: refusal code -> count (for /metrics)
-LIMIT_WINDOW_TTL_S = 120  # a per-minute counter outlives its minute by this much
-MONTH_USAGE_TTL_S = 62 * 86400
-LIMIT_REFUSALS_HASH = f"{PREFIX}:limit:refusals"
-
-
-def inflight_key(tenant_id: str) -> str:
-    return f"{PREFIX}:limit:inflight:{tenant_id}"
-
-
-def reserved_key(tenant_id: str) -> str:
-    return f"{PREFIX}:limit:reserved:{tenant_id}"
-
-
-def rpm_key(tenant_id: str, minute: int) -> str:
-    return f"{PREFIX}:limit:rpm:{tenant_id}:{minute}"
-
-
-def tpm_key(tenant_id: str, minute: int) -> str:
-    return f"{PREFIX}:limit:tpm:{tenant_id}:{minute}"
-
-
-def month_usage_key(tenant_id: str, month: str) -> str:
-    """``month`` is ``YYYYMM`` (UTC)."""
-    return f"{PREFIX}:usage:month:{tenant_id}:{month}"
-
-
-def usage_keys(tenant_id: str, now: float) -> tuple[str, str]:
-    """(per-minute token key, monthly token key) for a request that ends at ``now``."""
-    month = time.strftime("%Y%m", time.gmtime(now))
-    return tpm_key(tenant_id, int(now // 60)), month_usage_key(tenant_id, month)
+# Tenant limits and usage (their keys, the admission script, the end-of-request accounting
+# the daemon queues): wire/limits.py.
 
 
 def record_usage(pipe: Any, tenant_id: str, request_id: str, total_tokens: int, now: float) -> None:
-    """Queue on ``pipe`` what a request's end does to its tenant's limits: count its tokens
-    in the minute and month windows, then drop its reservation and free its concurrency
-    slot. In that order: a concurrent admission may see both the charge and the reservation
-    (too cautious for a moment), never neither. Idempotent but for the charge."""
-    if total_tokens > 0:
-        minute_key, month_key = usage_keys(tenant_id, now)
-        pipe.incrby(minute_key, total_tokens)
-        pipe.expire(minute_key, LIMIT_WINDOW_TTL_S)
-        pipe.incrby(month_key, total_tokens)
-        pipe.expire(month_key, MONTH_USAGE_TTL_S)
-    pipe.hdel(reserved_key(tenant_id), request_id)
-    pipe.zrem(inflight_key(tenant_id), request_id)
+    """TEMPORARY: ``wire.limits.record_usage`` until the daemon's writer calls it there."""
+    from . import limits
+
+    limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)

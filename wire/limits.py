@@ -1,0 +1,355 @@
+"""Tenant limits in Redis: the one owner of their keys, of the admission script and of the
+concurrency slots. The web admits (``admit``, ``take_slot``) and gives slots back
+(``release``, ``free_slot``); the daemon's writer queues ``record_usage`` in the pipeline
+that writes a request's terminal event. Nothing here imports Django (the web's side, limits
+read from the database and refusals turned into API errors, is ``inference/limits.py``).
+
+Windows slide: requests and tokens per minute count what happened in the last 60 s, kept
+as one-second buckets in a hash (61 of them: a request counts for 60 to 61 s, never less),
+so no burst gets twice a limit across a minute boundary. The monthly budget is a UTC
+calendar month (what a bill counts). See docs/limits.md for why one script and not GCRA
+or the ``limits`` library.
+
+Keys (tenant ids are the database ids):
+In-flight ``llm:limit:inflight:<tenant>``  sorted set: request id (or ``resume:<hex>``) ->
+                                           expiry (unix s); past its expiry a member is
+                                           dropped by the next admission: no slot leaks.
+Reserved  ``llm:limit:reserved:<tenant>``  hash: request id -> tokens reserved at admission;
+                                           counts while the request's in-flight member lives.
+Requests  ``llm:limit:rpm:<tenant>``       hash: unix second -> requests admitted in it
+Tokens    ``llm:limit:tpm:<tenant>``       hash: unix second -> tokens of requests that ended in it
+Month     ``llm:usage:month:<tenant>:<YYYYMM>``  tokens of requests that ended in a UTC month
+Refusals  ``llm:limit:refusals``           hash: refusal code -> count (for /metrics)
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CODES
+from .protocol import PREFIX
+
+WINDOW_S = 60  # requests and tokens per minute: the last WINDOW_S seconds
+WINDOW_KEY_TTL_S = 2 * WINDOW_S  # a window's hash outlives its newest bucket by this much
+MONTH_USAGE_TTL_S = 62 * 86400
+REFUSALS_HASH = f"{PREFIX}:limit:refusals"
+RESUME_SLOT_PREFIX = "resume:"
+UNLIMITED = -1
+
+# The refusal codes (statuses and OpenAI types: wire/errors.py).
+RPM_EXCEEDED = CODES["rpm_exceeded"].code
+TPM_EXCEEDED = CODES["tpm_exceeded"].code
+CONCURRENCY_LIMITED = CODES["concurrency_limited"].code
+BUDGET_EXCEEDED = CODES["budget_exceeded"].code
+REFUSAL_CODES = (RPM_EXCEEDED, TPM_EXCEEDED, CONCURRENCY_LIMITED, BUDGET_EXCEEDED)
+
+# Which limit refused (the script names them so) -> the refusal's code.
+BUDGET, TPM, RPM, CONCURRENCY = "budget", "tpm", "rpm", "concurrency"
+CODE_OF = {BUDGET: BUDGET_EXCEEDED, TPM: TPM_EXCEEDED, RPM: RPM_EXCEEDED,
+           CONCURRENCY: CONCURRENCY_LIMITED}
+# How: waiting for the window or the month helps (retry_after_s says when) ...
+OVER = "over"
+# ... what is missing is held by requests (or resumes) in flight: retry soon ...
+HELD = "held"
+# ... this request alone is over the limit: waiting never helps.
+TOO_BIG = "too_big"
+
+
+def inflight_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:inflight:{tenant_id}"
+
+
+def reserved_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:reserved:{tenant_id}"
+
+
+def rpm_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:rpm:{tenant_id}"
+
+
+def tpm_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:tpm:{tenant_id}"
+
+
+def month_key(tenant_id: str, now: float) -> str:
+    """The tenant's token counter for the UTC month of ``now``."""
+    return f"{PREFIX}:usage:month:{tenant_id}:{time.strftime('%Y%m', time.gmtime(now))}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A tenant's limits; None: unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    monthly_token_budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why the script refused: which ``limit`` (BUDGET, TPM, RPM, CONCURRENCY), ``how``
+    (OVER, HELD, TOO_BIG), the seconds until the request would be admitted (if nothing else
+    changes), what that limit counts now and the tokens reserved by requests in flight."""
+
+    limit: str
+    how: str
+    retry_after_s: int
+    used: int
+    reserved: int
+
+    @property
+    def code(self) -> str:
+        return CODE_OF[self.limit]
+
+
+# Shared by both scripts: KEYS[1] in-flight set, KEYS[2] reservations; ARGV[1] now.
+# Drops expired in-flight members and their reservations (and reservations whose member is
+# gone), then sums what the live ones reserved.
+_IN_FLIGHT = """
+local now = tonumber(ARGV[1])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for i = 1, #expired do redis.call('HDEL', KEYS[2], expired[i]) end
+if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
+local reserved = 0
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  if redis.call('ZSCORE', KEYS[1], held[i]) then
+    reserved = reserved + tonumber(held[i + 1])
+  else
+    redis.call('HDEL', KEYS[2], held[i])
+  end
+end
+local function refuse(counter, code, limit, how, retry, used)
+  redis.call('HINCRBY', counter, code, 1)
+  return table.concat({limit, how, math.max(1, math.ceil(retry)), used, reserved}, ':')
+end
+"""
+
+# KEYS: in-flight, reservations, rpm window, tpm window, month, refusals
+# ARGV: now, request id, its slot's expiry, in-flight key ttl, seconds to next month,
+#       tokens to reserve, budget, tpm, rpm, max_concurrent (-1: unlimited),
+#       codes for budget, tpm, rpm, concurrency
+# Every limit is checked before anything is counted: refused, it counts nothing (but the
+# refusal). The refusal names the limit that keeps the request out longest.
+_ADMIT = _IN_FLIGHT + f"""
+local WINDOW = {WINDOW_S}
+local oldest = math.floor(now) - WINDOW  -- buckets from here on are in the window
+local code = {{budget = ARGV[11], tpm = ARGV[12], rpm = ARGV[13], concurrency = ARGV[14]}}
+local want = tonumber(ARGV[6])
+local need = math.max(want, 1)  -- a request uses a token at least, reserved or not
+
+local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
+  local raw = redis.call('HGETALL', key)
+  local live, sum = {{}}, 0
+  for i = 1, #raw, 2 do
+    local bucket = tonumber(raw[i])
+    if bucket < oldest then
+      redis.call('HDEL', key, raw[i])
+    else
+      live[#live + 1] = {{bucket, tonumber(raw[i + 1])}}
+      sum = sum + live[#live][2]
+    end
+  end
+  table.sort(live, function(a, b) return a[1] < b[1] end)
+  return live, sum
+end
+
+local function wait(live, excess)  -- seconds until `excess` has left the window
+  local freed = 0
+  for i = 1, #live do
+    freed = freed + live[i][2]
+    if freed >= excess then return live[i][1] + WINDOW + 1 - now end
+  end
+  return WINDOW + 1
+end
+
+local worst = nil
+local function note(limit, how, retry, used)
+  if worst == nil or retry > worst[3] then worst = {{limit, how, retry, used}} end
+end
+local function never(limit, retry, used)
+  return refuse(KEYS[6], code[limit], limit, 'too_big', retry, used)
+end
+
+local budget = tonumber(ARGV[7])
+if budget >= 0 then
+  local used = tonumber(redis.call('GET', KEYS[5]) or '0')
+  if want > budget then return never('budget', tonumber(ARGV[5]), used) end
+  if used + need > budget then note('budget', 'over', tonumber(ARGV[5]), used)
+  elseif used + reserved + need > budget then note('budget', 'held', 1, used) end
+end
+
+local tpm_live, tokens = window(KEYS[4])
+local tpm = tonumber(ARGV[8])
+if tpm >= 0 then
+  if want > tpm then return never('tpm', WINDOW, tokens) end
+  local excess = tokens + reserved + need - tpm
+  if excess > tokens then note('tpm', 'held', 1, tokens)
+  elseif excess > 0 then note('tpm', 'over', wait(tpm_live, excess), tokens) end
+end
+
+local rpm_live, requests = window(KEYS[3])
+local rpm = tonumber(ARGV[9])
+if rpm >= 0 then
+  if rpm < 1 then return never('rpm', WINDOW, requests) end
+  if requests >= rpm then note('rpm', 'over', wait(rpm_live, requests + 1 - rpm), requests) end
+end
+
+local concurrent = tonumber(ARGV[10])
+if concurrent >= 0 then
+  local running = redis.call('ZCARD', KEYS[1])
+  if concurrent < 1 then return never('concurrency', WINDOW, running) end
+  if running >= concurrent then note('concurrency', 'held', 1, running) end
+end
+
+if worst then
+  return refuse(KEYS[6], code[worst[1]], worst[1], worst[2], worst[3], worst[4])
+end
+redis.call('HINCRBY', KEYS[3], string.format('%d', math.floor(now)), 1)
+redis.call('EXPIRE', KEYS[3], {WINDOW_KEY_TTL_S})
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+if want > 0 then
+  redis.call('HSET', KEYS[2], ARGV[2], want)
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return 'ok'
+"""
+
+# A slot without tokens (a resume): only the concurrency limit.
+# KEYS: in-flight, reservations, refusals; ARGV: now, member, expiry, max_concurrent,
+#       in-flight key ttl, concurrency code
+_TAKE_SLOT = _IN_FLIGHT + """
+local concurrent = tonumber(ARGV[4])
+local running = redis.call('ZCARD', KEYS[1])
+if concurrent >= 0 and running >= concurrent then
+  local how = 'held'
+  if concurrent < 1 then how = 'too_big' end
+  return refuse(KEYS[3], ARGV[6], 'concurrency', how, 1, running)
+end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 'ok'
+"""
+
+
+def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: float,
+          reserve: int, slot_ttl_s: int) -> Refused | None:
+    """Admit a request in one atomic script, or say why not (then nothing is counted). When
+    admitted it holds a concurrency slot for at most ``slot_ttl_s``, counts as a request
+    in the window, and, when the tenant has a token limit, holds ``reserve`` tokens until it
+    ends (``release`` or ``record_usage``). ``client``: a synchronous redis client."""
+    token_limited = limits.tokens_per_minute is not None or \
+        limits.monthly_token_budget is not None
+    keys = [inflight_key(tenant_id), reserved_key(tenant_id), rpm_key(tenant_id),
+            tpm_key(tenant_id), month_key(tenant_id, now), REFUSALS_HASH]
+    args = [
+        repr(now), request_id, repr(now + slot_ttl_s), slot_ttl_s, seconds_to_next_month(now),
+        max(0, int(reserve)) if token_limited else 0,
+        _arg(limits.monthly_token_budget), _arg(limits.tokens_per_minute),
+        _arg(limits.requests_per_minute), _arg(limits.max_concurrent),
+        BUDGET_EXCEEDED, TPM_EXCEEDED, RPM_EXCEEDED, CONCURRENCY_LIMITED,
+    ]
+    return _decision(client.eval(_ADMIT, len(keys), *keys, *args))
+
+
+def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | None, *,
+              now: float, ttl_s: int) -> Refused | None:
+    """A concurrency slot without tokens (a resume's reader) under ``max_concurrent``,
+    expiring ``ttl_s`` from ``now`` unless ``renew_slot`` pushes it on."""
+    keys = [inflight_key(tenant_id), reserved_key(tenant_id), REFUSALS_HASH]
+    args = [repr(now), member, repr(now + ttl_s), _arg(max_concurrent), ttl_s,
+            CONCURRENCY_LIMITED]
+    return _decision(client.eval(_TAKE_SLOT, len(keys), *keys, *args))
+
+
+def renew_slot(client: Any, tenant_id: str, member: str, ttl_s: float, now: float) -> Any:
+    """Push a held slot's expiry to ``ttl_s`` from ``now``, only if it is still held.
+    Returns the client's reply (awaitable with an asyncio client)."""
+    return client.zadd(inflight_key(tenant_id), {member: now + ttl_s}, xx=True)
+
+
+def free_slot(client: Any, tenant_id: str, member: str) -> Any:
+    """Free a slot that holds no tokens (a resume's). Returns the client's reply."""
+    return client.zrem(inflight_key(tenant_id), member)
+
+
+def release(pipe: Any, tenant_id: str, request_id: str) -> None:
+    """Queue on ``pipe`` the end of a request's hold: drop its token reservation, free its
+    concurrency slot (idempotent)."""
+    pipe.hdel(reserved_key(tenant_id), request_id)
+    pipe.zrem(inflight_key(tenant_id), request_id)
+
+
+def record_usage(pipe: Any, tenant_id: str, request_id: str, total_tokens: int,
+                 now: float) -> None:
+    """Queue on ``pipe`` what a request's end does to its tenant's limits: charge its actual
+    tokens to the tokens-per-minute window and the month, then ``release`` (its reservation
+    and slot). In that order: a concurrent admission may see both the charge and the
+    reservation (too cautious for a moment), never neither. Idempotent but for the charge."""
+    if total_tokens > 0:
+        window, month = tpm_key(tenant_id), month_key(tenant_id, now)
+        pipe.hincrby(window, _bucket(now), total_tokens)
+        pipe.expire(window, WINDOW_KEY_TTL_S)
+        pipe.incrby(month, total_tokens)
+        pipe.expire(month, MONTH_USAGE_TTL_S)
+    release(pipe, tenant_id, request_id)
+
+
+def current_usage(client: Any, tenant_id: str, now: float) -> dict[str, int]:
+    """The tenant's counters as the admission sees them: requests admitted and tokens
+    charged in the window (the last minute), tokens this month, slots held."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(rpm_key(tenant_id))
+    pipe.hgetall(tpm_key(tenant_id))
+    pipe.get(month_key(tenant_id, now))
+    pipe.zcount(inflight_key(tenant_id), f"({now!r}", "+inf")
+    requests, tokens, month, concurrent = pipe.execute()
+    return {
+        "requests_this_minute": _window_sum(requests, now),
+        "tokens_this_minute": _window_sum(tokens, now),
+        "tokens_this_month": int(month or 0),
+        "concurrent": int(concurrent),
+    }
+
+
+def refusal_counts(client: Any) -> dict[str, int]:
+    """Refusals by code since the counters began (every web process)."""
+    return {_text(k): int(v) for k, v in client.hgetall(REFUSALS_HASH).items()}
+
+
+def seconds_to_next_month(now: float) -> int:
+    """Whole seconds from ``now`` to the start of the next UTC month (at least 1)."""
+    t = time.gmtime(now)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    return max(1, math.ceil(calendar.timegm((year, month, 1, 0, 0, 0)) - now))
+
+
+def _bucket(now: float) -> str:
+    return str(math.floor(now))
+
+
+def _window_sum(buckets: dict[Any, Any], now: float) -> int:
+    oldest = math.floor(now) - WINDOW_S
+    return sum(int(n) for b, n in buckets.items() if int(b) >= oldest)
+
+
+def _decision(reply: object) -> Refused | None:
+    text = _text(reply)
+    if text == "ok":
+        return None
+    limit, how, retry, used, reserved = text.split(":")
+    return Refused(limit, how, int(retry), int(float(used)), int(float(reserved)))
+
+
+def _arg(limit: int | None) -> int:
+    return UNLIMITED if limit is None else int(limit)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
