@@ -10,14 +10,34 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from wire.errors import InvalidParameter
+from wire.messages import MAX_MESSAGES, ROLES
 
 log = logging.getLogger(__name__)
+
+
+def message_pairs(messages: Any) -> list[tuple[str, str]]:
+    """(role, text) pairs of messages in the shape the web sends (``wire.messages``: a
+    non-empty list of ``{"role", "content"}`` with text content). The web validated them;
+    this checks only the shape, so a rogue job is refused instead of crashing a template.
+    Text that is not valid Unicode is refused where it is measured (``core``)."""
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise InvalidParameter("messages", f"must be a list of 1 to {MAX_MESSAGES} messages")
+    pairs = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in ROLES:
+            raise InvalidParameter(f"messages[{i}].role", f"must be one of {sorted(ROLES)}")
+        if not isinstance(content, str):
+            raise InvalidParameter(f"messages[{i}].content", "must be a string")
+        pairs.append((role, content))
+    return pairs
 
 
 

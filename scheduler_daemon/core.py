@@ -12,7 +12,14 @@ Usage::
 
 ``submit`` raises ``errors.Refusal`` (queue_full, context_length_exceeded, empty_prompt,
 invalid_request_error naming the field) before anything is queued. Events of every
-request also go to ``listeners`` (the daemon's Redis transport hooks in there).
+request go to ``listeners`` (the daemon's event writer hooks in there); ``submit`` also
+returns a handle that collects its own request's events, ``enqueue`` (what the daemon
+uses) does not.
+
+What is checked here is what needs the model or guards it: the prompt's size in bytes
+before anything renders it, the shape of chat messages, token ids within the vocabulary,
+the token count (the scheduler), the grammar (the engine, where it is compiled). The
+web validated everything else before the job was queued.
 """
 
 from __future__ import annotations
@@ -29,12 +36,11 @@ from typing import Any
 
 from wire import errors
 from wire.errors import InvalidParameter, Refusal
-from wire.messages import parse_messages
 from wire.sampling import SamplingParams
 
-from .chat import ChatRenderer
-from .jobs import Event, FinishedEvent, Request, TickStats, TokenEvent
+from .chat import ChatRenderer, message_pairs
 from .scheduler import Scheduler, SchedulerConfig
+from .state import Event, FinishedEvent, Request, TickStats, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +107,7 @@ class InferenceCore:
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
         self.listeners: list[Callable[[Event], None]] = []
         self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
-        self._handles: dict[str, RequestHandle] = {}
-        self._handles_lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}  # guarded by the scheduler's lock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -173,7 +178,7 @@ class InferenceCore:
         failures = 0
         while not self._stop.is_set():
             try:
-                if self._abort_ids and self._abort_ids & self.scheduler.job_ids():
+                if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
                     log.critical("fault injection: aborting the process")
                     os.abort()
                 if self.scheduler.has_work():
@@ -204,15 +209,36 @@ class InferenceCore:
         cache_prompt: bool | None = None,
         max_queued: int | None = None,
     ) -> RequestHandle:
-        """Validate, tokenize and queue a completion (``prompt``) or chat (``messages``).
-        ``max_queued``: this scope's cap on waiting requests (None: the configured one)."""
+        """``enqueue``, and a handle that receives this request's events."""
+        handle = RequestHandle(request_id or uuid.uuid4().hex, self)
+        handle.prompt_tokens = self.enqueue(
+            prompt, messages, params, handle.id, cache_scope, session, cache_prompt, max_queued,
+            handle=handle,
+        )
+        return handle
+
+    def enqueue(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: Any = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_scope: str = "",
+        session: str | None = None,
+        cache_prompt: bool | None = None,
+        max_queued: int | None = None,
+        handle: RequestHandle | None = None,
+    ) -> int:
+        """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
+        (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
+        events go to ``listeners`` (and ``handle``). ``max_queued``: this scope's cap on
+        waiting requests (None: the configured one)."""
         arrival = time.monotonic()
         if not isinstance(cache_scope, str):  # a key of the scheduler's own maps
             raise InvalidParameter("cache_scope", "must be a string")
         if session is not None and not isinstance(session, str):
             raise InvalidParameter("session", "must be a string")
-        self.scheduler.check_capacity()
-        self.scheduler.check_scope_capacity(cache_scope, max_queued)
+        self.scheduler.check_capacity(cache_scope, max_queued)  # refuse before tokenizing
         tokens = self.prompt_tokens(prompt, messages)
         request = Request(
             id=request_id or uuid.uuid4().hex,
@@ -224,28 +250,20 @@ class InferenceCore:
             arrival=arrival,
             max_queued=max_queued,
         )
-        handle = RequestHandle(request.id, self)
-        handle.prompt_tokens = len(tokens)
-        with self._handles_lock:
-            if request.id in self._handles:
-                raise Refusal("duplicate_request_id", f"request id {request.id} is already in use")
-            self._handles[request.id] = handle
-        try:
-            self.scheduler.submit(request)
-        except Refusal:
-            with self._handles_lock:
-                self._handles.pop(request.id, None)
-            raise
-        return handle
+        with self.scheduler.lock:  # events are emitted under it: none can outrun the handle
+            self.scheduler.submit(request)  # refuses a duplicate id before the handle goes in
+            if handle is not None:
+                self._handles[request.id] = handle
+        return len(tokens)
 
     def prompt_tokens(self, prompt: str | list[int] | None, messages: Any) -> list[int]:
         """Token ids for a prompt string, a list of token ids, or chat messages."""
         if (prompt is None) == (messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if messages is not None:
-            parsed = parse_messages(messages)
-            self._check_size(sum(_utf8_len(c, "messages") for _, c in parsed), "messages")
-            return self.engine.tokenize_segments(self.chat.segments(parsed))
+            pairs = message_pairs(messages)
+            self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs), "messages")
+            return self.engine.tokenize_segments(self.chat.segments(pairs))
         if isinstance(prompt, str):
             self._check_size(_utf8_len(prompt, "prompt"), "prompt")
             return self._tokenize(prompt, "prompt") if prompt else []
@@ -290,10 +308,10 @@ class InferenceCore:
             listener(stats)
 
     def _dispatch(self, event: Event) -> None:
-        with self._handles_lock:
-            handle = self._handles.get(event.request_id)
-            if isinstance(event, FinishedEvent):
-                self._handles.pop(event.request_id, None)
+        """Scheduler callback (its lock held): the request's handle, then every listener."""
+        handle = self._handles.get(event.request_id)
+        if isinstance(event, FinishedEvent):
+            self._handles.pop(event.request_id, None)
         if handle is not None:
             handle._events.put(event)
         for listener in self.listeners:

@@ -8,6 +8,7 @@ public methods, so the policy is tested with a fake engine and no model.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from wire.errors import InvalidParameter
+from wire.grammar_check import check_grammar, check_json_schema
 from wire.sampling import SamplingParams
 
 from .engine_api import (
@@ -344,14 +346,20 @@ class LlamaEngine:
 
     def grammar_for(self, params: SamplingParams) -> tuple[str, str] | None:
         """(field, GBNF) for a request's grammar or JSON schema, if it has one; only a
-        grammar that ``grammar_check`` shows llama.cpp's parser survives comes out."""
-        from .grammar_check import check_grammar
-
+        grammar that ``wire.grammar_check`` shows llama.cpp's parser survives comes out.
+        The bounds are checked here, where the grammar is compiled, and nowhere else in the
+        daemon (the web checked them too, before queueing the job)."""
         if params.grammar is not None:
             return "grammar", check_grammar(params.grammar, "grammar")
         if params.json_schema is not None:
             try:
-                gbnf = json_schema_to_gbnf(params.json_schema)
+                schema = json.loads(params.json_schema)
+            except (ValueError, RecursionError):
+                raise InvalidParameter("json_schema", "is not valid JSON") from None
+            # the schema's own bounds first: the converter expands maxLength & co. eagerly
+            schema = check_json_schema(schema, "json_schema")
+            try:
+                gbnf = json_schema_to_gbnf(schema)
             except (
                 Exception
             ) as exc:  # the converter raises bare exceptions on schemas it cannot express

@@ -23,14 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .jobs import CacheEvent, Job, Slot, SlotState
+from .state import CacheEvent, RequestState, Slot, SlotState
 
 if TYPE_CHECKING:
     from .ram_cache import RamCache, RamEntry
 
 log = logging.getLogger(__name__)
 
-TIERS = ("slot", "cross_slot", "ram")
 # The matched share of a slot's cached history that counts as prefix instability.
 INSTABILITY_RANGE = (0.1, 0.5)
 
@@ -91,51 +90,51 @@ class PrefixCache:
         self._emit = emit
         self._clock = clock
 
-    def prepare(self, job: Job, slot: Slot, slots: list[Slot]) -> None:
+    def prepare(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Make ``slot`` hold the longest reusable prefix of the prompt; set ``cached_tokens``."""
-        prompt, limit = job.prompt, len(job.prompt) - 1
+        prompt, limit = req.prompt, len(req.prompt) - 1
         matches = {
             s.seq_id: common_prefix_len(s.tokens, prompt)
             for s in slots
-            if job.cache_prompt and s.scope == job.cache_scope and s.tokens
+            if req.cache_prompt and s.scope == req.cache_scope and s.tokens
         }
         own = min(matches.get(slot.seq_id, 0), limit)
         best = _Source("slot", own, slot)
-        if job.cache_prompt:
+        if req.cache_prompt:
             self.counters["cache_lookups"] += 1
-            best = self._lookup(job, slot, slots, matches, best)
-            self._check_stability(job, slots, matches)
+            best = self._lookup(req, slot, slots, matches, best)
+            self._check_stability(req, slots, matches)
         keep = own if best.tier != "ram" else 0  # a restore replaces the whole sequence
         if keep < len(slot.tokens):
             self.preserve(slot, slots, protect=best.entry)
             keep = self._truncate(slot, keep)
         if keep == 0:
             slot.cache_hits = 0
-        slot.scope = job.cache_scope if job.cache_prompt else None
+        slot.scope = req.cache_scope if req.cache_prompt else None
         n = keep
         if best.tier == "cross_slot":
             n = self._copy(best.slot, slot, keep, best.n_tokens)
         elif best.tier == "ram":
             n = self._restore(best.entry, slot, best.n_tokens)
-        job.cached_tokens = n
+        req.cached_tokens = n
         if keep:
             self._count_hit("slot", keep)
             slot.cache_hits += 1
         if n > keep:
             self._count_hit(best.tier, n - keep)
 
-    def catch_up(self, job: Job, slot: Slot, slots: list[Slot]) -> None:
+    def catch_up(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Mid-prefill: adopt what another slot of the scope has computed of this prompt since."""
-        done, limit = len(slot.tokens), len(job.prompt) - 1
+        done, limit = len(slot.tokens), len(req.prompt) - 1
         best, best_n = None, done
         for other in slots:
-            if other is not slot and other.scope == job.cache_scope and len(other.tokens) > best_n:
-                n = min(common_prefix_len(other.tokens, job.prompt), limit)
+            if other is not slot and other.scope == req.cache_scope and len(other.tokens) > best_n:
+                n = min(common_prefix_len(other.tokens, req.prompt), limit)
                 if n > best_n:
                     best, best_n = other, n
         if best is not None:
             n = self._copy(best, slot, done, best_n)
-            job.cached_tokens += n - done
+            req.cached_tokens += n - done
             self._count_hit("cross_slot", n - done)
 
     def preserve(self, slot: Slot, slots: list[Slot], protect: RamEntry | None = None) -> None:
@@ -209,28 +208,35 @@ class PrefixCache:
     # -- pieces -----------------------------------------------------------------------
 
     def _lookup(
-        self, job: Job, slot: Slot, slots: list[Slot], matches: dict[int, int], best: _Source
+        self,
+        req: RequestState,
+        slot: Slot,
+        slots: list[Slot],
+        matches: dict[int, int],
+        best: _Source,
     ) -> _Source:
-        limit = len(job.prompt) - 1
+        limit = len(req.prompt) - 1
         if self.cross_slot:
             for other in slots:
                 n = min(matches.get(other.seq_id, 0), limit)
                 if other is not slot and n > best.n_tokens:
                     best = _Source("cross_slot", n, other)
         if self.ram is not None:
-            entry, n = self.ram.lookup(job.cache_scope, job.prompt, limit)
+            entry, n = self.ram.lookup(req.cache_scope, req.prompt, limit)
             if n > best.n_tokens and n >= self.min_save_tokens:  # shorter: not worth a restore
                 best = _Source("ram", n, None, entry)
         return best
 
-    def _check_stability(self, job: Job, slots: list[Slot], matches: dict[int, int]) -> None:
+    def _check_stability(
+        self, req: RequestState, slots: list[Slot], matches: dict[int, int]
+    ) -> None:
         """A prompt that keeps only 10-50% of a cached history: the client rewrote it (a
         timestamp in the system prompt, edited turns). The session's own slot is the
         reference when it has one, else the slot with the longest match."""
         scoped = [s for s in slots if s.seq_id in matches]
         if not scoped:
             return
-        pinned = [s for s in scoped if job.session is not None and s.session == job.session]
+        pinned = [s for s in scoped if req.session is not None and s.session == req.session]
         ref = pinned[0] if pinned else max(scoped, key=lambda s: matches[s.seq_id])
         matched, history = matches[ref.seq_id], len(ref.tokens)
         lo, hi = INSTABILITY_RANGE
@@ -238,18 +244,18 @@ class PrefixCache:
             log.info(
                 "prefix instability: request %s (scope %s) matches %d of %d cached tokens"
                 " of slot %d",
-                job.id,
-                job.cache_scope,
+                req.id,
+                req.cache_scope,
                 matched,
                 history,
                 ref.seq_id,
             )
             self._event(
                 "prefix_instability",
-                job.cache_scope,
+                req.cache_scope,
                 matched,
                 0,
-                request_id=job.id,
+                request_id=req.id,
                 history_tokens=history,
             )
 

@@ -143,10 +143,6 @@ class RamCache:
             self._remove(entry)
         return len(doomed)
 
-    def clear(self) -> None:
-        for entry in list(self._entries.values()):
-            self._remove(entry)
-
     def _remove(self, entry: RamEntry) -> RamEntry:
         del self._entries[entry.id]
         left = self._scope_bytes[entry.cache_scope] - entry.size_bytes

@@ -2,9 +2,12 @@
 
 Pure Python: it drives any object with the engine's methods (``engine.LlamaEngine`` in
 production, a fake in the policy tests). One thread calls ``step()`` in a loop; other
-threads may call ``submit``, ``cancel`` and ``snapshot`` at any time. Cancels take effect at
-the next tick boundary; a long prefill in flight is cut short through the engine's abort
-flag and rolled back, never changed from another thread mid-decode.
+threads may call ``submit``, ``cancel`` and ``snapshot`` at any time. A step is plan, then
+act, then commit: ``schedule()`` applies cancels, admits and returns the tick's
+``plan.TickPlan``; ``run(plan)`` decodes it (re-planning a smaller batch under KV
+pressure) and applies the results in one place (``_commit``). Cancels take effect at the
+next tick boundary; a long prefill in flight is cut short through the engine's abort flag
+and rolled back, never changed from another thread mid-decode.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,13 +33,17 @@ from .engine_api import (
     GrammarEnded,
     RowFailed,
 )
-from .jobs import (
+from .fair_queue import FairQueue
+from .plan import Phase, PlannedRow, TickPlan
+from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
+from .ram_cache import RamCache
+from .state import (
     FINISH_REASON,
     CacheEvent,
     Event,
     FinishedEvent,
-    Job,
     Request,
+    RequestState,
     RequestStats,
     Sampler,
     Slot,
@@ -45,8 +52,6 @@ from .jobs import (
     TickStats,
     TokenEvent,
 )
-from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
-from .ram_cache import RamCache
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -96,13 +101,6 @@ class SchedulerConfig:
     max_queue_per_scope: int | None = None
 
 
-@dataclass(slots=True)
-class _Planned:
-    slot: Slot
-    job: Job
-    row: BatchRow
-
-
 class Scheduler:
     """Admission, slot choice and batching for one engine context."""
 
@@ -120,15 +118,17 @@ class Scheduler:
         self._emit = on_event
         self._on_tick = on_tick
         self._clock = clock
-        self._lock = threading.RLock()
+        # Held by every change of state and while events are emitted (``InferenceCore``
+        # registers a request's handle under it, so no event can outrun the registration).
+        self.lock = threading.RLock()
         self._work = threading.Event()
         self._slots = [Slot(seq_id=i) for i in range(engine.n_seq_max)]
-        self._waiting: deque[Job] = deque()  # arrival order, every scope
-        self._turns: deque[str] = deque()  # scopes with waiting jobs, in admission turn order
-        self._jobs: dict[str, Job] = {}
+        self._waiting: FairQueue[str, RequestState] = FairQueue()  # keyed by cache_scope
+        self._requests: dict[str, RequestState] = {}
         self._cancels: set[str] = set()
         self._in_flight: set[str] = set()
         self.tick_rows: list[str] = []  # requests in the batch of the tick under way
+        self.last_plan: TickPlan | None = None  # the latest plan made (for tests and logs)
         budget = config.kv_budget_tokens or engine.n_ctx
         self._total_blocks = budget // config.kv_block_tokens
         self._used_blocks = 0
@@ -158,9 +158,12 @@ class Scheduler:
 
     # -- called from any thread ---------------------------------------------------
 
-    def check_capacity(self) -> None:
-        """Refuse at once (before any tokenizing) when the queue is full or closed."""
-        with self._lock:
+    def check_capacity(self, cache_scope: str = "", max_queued: int | None = None) -> None:
+        """Refuse when the queue is closed (``shutting_down``), full (``queue_full``) or holds
+        this scope's share already (429 ``tenant_queue_full``; ``max_queued``: the scope's
+        own cap, else the configured one). ``submit`` decides under its lock; callers ask
+        first to refuse before the costly part (``InferenceCore`` before tokenizing)."""
+        with self.lock:
             if not self._admitting:
                 raise Refusal(errors.SHUTTING_DOWN, "the scheduler is shutting down")
             if len(self._waiting) >= self.config.max_queue:
@@ -170,16 +173,9 @@ class Scheduler:
                     f"the queue is full ({self.config.max_queue} waiting)",
                     max_queue=self.config.max_queue,
                 )
-
-    def check_scope_capacity(self, cache_scope: str, max_queued: int | None = None) -> None:
-        """Refuse (429 ``tenant_queue_full``) when this scope already has its share of the
-        queue waiting. ``max_queued``: the scope's own cap, else the configured one."""
-        cap = max_queued if max_queued is not None else self.config.max_queue_per_scope
-        if cap is None:
-            return
-        with self._lock:
-            waiting = sum(1 for j in self._waiting if j.cache_scope == cache_scope)
-            if waiting >= cap:
+            cap = max_queued if max_queued is not None else self.config.max_queue_per_scope
+            waiting = self._waiting.count(cache_scope)
+            if cap is not None and waiting >= cap:
                 self.counters["refused_tenant_queue_full"] += 1
                 raise Refusal(
                     errors.TENANT_QUEUE_FULL,
@@ -190,15 +186,15 @@ class Scheduler:
                 )
 
     def submit(self, request: Request) -> None:
-        """Queue a request or raise ``Refusal``. Its events go to ``on_event``."""
-        self.check_capacity()
-        self.check_scope_capacity(request.cache_scope, request.max_queued)
+        """Queue a request or raise ``Refusal`` (a duplicate id, the caps of
+        ``check_capacity``, an empty prompt, too many tokens, a sampler the engine refuses).
+        Its events go to ``on_event``."""
         n_prompt = len(request.prompt_tokens)
         if n_prompt == 0:
             raise Refusal(errors.EMPTY_PROMPT, "the prompt is empty", param="prompt")
         max_tokens = self._max_tokens_for(request.params, n_prompt)
-        sampler = self.engine.new_sampler(request.params)
-        job = Job(
+        sampler = self.engine.new_sampler(request.params)  # compiles a grammar: not under the lock
+        req = RequestState(
             id=request.id,
             prompt=list(request.prompt_tokens),
             params=request.params,
@@ -214,15 +210,12 @@ class Scheduler:
             text=TextStream(request.params.stop),
         )
         try:
-            with self._lock:
-                if request.id in self._jobs:
+            with self.lock:
+                if request.id in self._requests:
                     raise Refusal(errors.DUPLICATE_ID, f"request id {request.id} is already in use")
-                self.check_capacity()
-                self.check_scope_capacity(request.cache_scope, request.max_queued)
-                self._jobs[job.id] = job
-                self._waiting.append(job)
-                if job.cache_scope not in self._turns:
-                    self._turns.append(job.cache_scope)
+                self.check_capacity(request.cache_scope, request.max_queued)
+                self._requests[req.id] = req
+                self._waiting.push(req.cache_scope, req)
                 self.counters["submitted"] += 1
         except Refusal:
             sampler.close()
@@ -231,8 +224,8 @@ class Scheduler:
 
     def cancel(self, request_id: str) -> bool:
         """Ask for a request to end with ``cancelled`` at the next tick. False if unknown."""
-        with self._lock:
-            if request_id not in self._jobs:
+        with self.lock:
+            if request_id not in self._requests:
                 return False
             self._cancels.add(request_id)
             if request_id in self._in_flight:
@@ -242,30 +235,30 @@ class Scheduler:
 
     def stop_admitting(self) -> None:
         """Refuse new requests from now on (drain)."""
-        with self._lock:
+        with self.lock:
             self._admitting = False
 
     def cancel_all(self) -> None:
         """Cancel every queued and running request."""
-        with self._lock:
-            for request_id in list(self._jobs):
+        with self.lock:
+            for request_id in list(self._requests):
                 self.cancel(request_id)
 
     def fail_all(
         self, code: str = errors.ENGINE_ERROR, message: str = "the scheduler failed"
     ) -> None:
         """End every request with an error (after a bug in a tick; never leave callers hanging)."""
-        with self._lock:
+        with self.lock:
             self._cancels.clear()
-            for job in list(self._jobs.values()):
-                if job.slot is not None:
-                    self._forget(job.slot)
-                self._finish(job, Status.FINISHED_ERROR, {"code": code, "message": message})
+            for req in list(self._requests.values()):
+                if req.slot is not None:
+                    self._forget(req.slot)
+                self._finish(req, Status.FINISHED_ERROR, {"code": code, "message": message})
 
     def fail_tick(self, exc: BaseException) -> int:
         """After a tick raised: fail the requests of its batch (one of them is the likely
         cause); returns how many. The loop decides when the engine itself is unusable."""
-        with self._lock:
+        with self.lock:
             rows, self.tick_rows = self.tick_rows, []
             self._in_flight = set()
             return sum(self.fail_request(request_id, exc) for request_id in rows)
@@ -273,7 +266,7 @@ class Scheduler:
     def evict_scope(self, cache_scope: str) -> int:
         """Forget one scope's cached prefixes in idle slots and the RAM tier; returns how
         many entries went. Slots still serving a request of that scope are left alone."""
-        with self._lock:
+        with self.lock:
             idle = [
                 s
                 for s in self._slots
@@ -284,18 +277,18 @@ class Scheduler:
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
             return len(idle) + ram
 
-    def job_ids(self) -> set[str]:
+    def request_ids(self) -> set[str]:
         """Requests queued or running."""
-        with self._lock:
-            return set(self._jobs)
+        with self.lock:
+            return set(self._requests)
 
     def wake(self) -> None:
         """Let the loop run a tick now."""
         self._work.set()
 
     def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._jobs or self._cancels)
+        with self.lock:
+            return bool(self._requests or self._cancels)
 
     def wait_for_work(self, timeout: float) -> None:
         """Block the loop thread until something is submitted or cancelled."""
@@ -305,7 +298,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         """Slots, queue and counters as plain data. Never any prompt or output text."""
         now = self._clock()
-        with self._lock:
+        with self.lock:
             return {
                 "slots": [self._slot_info(s) for s in self._slots],
                 "queue": [
@@ -332,34 +325,39 @@ class Scheduler:
     # -- the loop thread ----------------------------------------------------------
 
     def step(self) -> TickStats | None:
-        """One tick: apply cancels, admit, one decode over every active slot, sample."""
-        t0 = self._clock()
-        with self._lock:
+        """One tick: plan (cancels, admission, the batch), decode, commit. None when
+        nothing was decoded (no rows, an aborted or failed decode)."""
+        return self.run(self.schedule())
+
+    def schedule(self) -> TickPlan:
+        """Apply the cancels, admit what fits, and plan the batch within ``N_BATCH``. The
+        plan's rows are in flight until ``run(plan)``: call it next (on the loop thread)."""
+        with self.lock:
             self.engine.abort_requested = False
-            self._apply_cancels()
-            self._admit()
-        cap = self.engine.n_batch
-        retries = 0
-        purged = False
-        while True:
-            with self._lock:
-                plan = self._plan(cap)
-                self._in_flight = {p.job.id for p in plan}
-                self.tick_rows = list(self._in_flight)
-                if self._cancels & self._in_flight:
-                    self._in_flight = set()
-                    return None  # a cancel arrived since the tick began: apply it first
-            if not plan:
-                return None
-            rows = [p.row for p in plan]
-            n_tokens = sum(len(r.tokens) for r in rows)
+            plan = TickPlan(self._tick + 1, self.engine.n_batch)
+            plan.cancelled = self._apply_cancels()
+            plan.admitted = self._admit()
+            self._plan_batch(plan)
+            return plan
+
+    def run(self, plan: TickPlan) -> TickStats | None:
+        """Decode ``plan`` and commit the results. Under KV pressure it re-plans: first
+        without idle slots' cached prefixes, then with half the tokens, then the request
+        holding the most KV fails alone."""
+        t0 = self._clock()
+        retries, purged = 0, False
+        while plan.rows:
             t_decode = self._clock()
-            rc = self.engine.decode(rows, abortable=n_tokens >= self.config.abort_min_tokens)
+            rc = self.engine.decode(
+                plan.batch, abortable=plan.n_tokens >= self.config.abort_min_tokens
+            )
             eval_ms = (self._clock() - t_decode) * 1000
-            with self._lock:
+            with self.lock:
                 self._in_flight = set()
                 if rc == DECODE_OK:
+                    stats = self._commit(plan, eval_ms, retries)
                     break
+                self.tick_rows = []
                 if rc == DECODE_ABORTED:
                     self.counters["aborted_decodes"] += 1
                     self._rollback(plan)
@@ -369,18 +367,21 @@ class Scheduler:
                     return None
                 retries += 1
                 self.counters["kv_pressure"] += 1
+                budget = plan.token_budget
                 if not purged and self._purge_idle():
                     purged = True
-                    continue
-                if n_tokens > 1:
-                    cap = max(1, n_tokens // 2)
-                    log.info("KV cache full: retrying with a batch of %d tokens", cap)
-                    continue
-                self._fail_largest()
-                return None
-        with self._lock:
-            stats = self._after_decode(plan, rows, n_tokens, eval_ms, retries)
-            self.tick_rows = []
+                elif plan.n_tokens > 1:
+                    budget = max(1, plan.n_tokens // 2)
+                    log.info("KV cache full: retrying with a batch of %d tokens", budget)
+                else:
+                    self._fail_largest()
+                    return None
+                plan = self._replan(plan, budget)
+                if self._cancels & self._in_flight:  # a cancel arrived during the decode
+                    self._in_flight, self.tick_rows = set(), []
+                    return None
+        else:
+            return None
         log.debug("tick %s (%.1f ms)", stats, (self._clock() - t0) * 1000)
         if self._on_tick is not None:
             self._on_tick(stats)
@@ -414,146 +415,147 @@ class Scheduler:
             )
         return wanted
 
-    def _apply_cancels(self) -> None:
+    def _apply_cancels(self) -> list[str]:
+        """End every request cancelled since the last tick; returns their ids."""
         cancels, self._cancels = self._cancels, set()
+        ended = []
         for request_id in cancels:
-            job = self._jobs.get(request_id)
-            if job is None:
+            req = self._requests.get(request_id)
+            if req is None:
                 continue
+            ended.append(request_id)
             try:
-                self._finish(job, Status.FINISHED_CANCELLED)
+                self._finish(req, Status.FINISHED_CANCELLED)
             except Exception as exc:
                 self.fail_request(request_id, exc)
+        return ended
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[str]:
         """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the
-        oldest job of the scope whose turn it is; it waits for blocks and a slot and nobody
+        oldest req of the scope whose turn it is; it waits for blocks and a slot and nobody
         overtakes it, except a session's request onto its own free slot, at most
         ``session_max_bypass`` times per head. One scope's burst delays another scope's next
-        request by at most one admission per other scope with waiting work."""
+        request by at most one admission per other scope with waiting work. Returns the ids
+        admitted, in order."""
+        admitted: list[str] = []
         while self._waiting:
-            job = self._head()
-            if job is None:
-                return  # every scope with waiting work is at its KV share
-            if self._admit_session(job):
+            req = self._head()
+            if req is None:
+                break  # every scope with waiting work is at its KV share
+            bypass = self._admit_session(req)
+            if bypass is not None:
+                admitted.append(bypass.id)
                 continue
-            if self._used_blocks + job.blocks > self._total_blocks:
-                return
-            slot = self._choose_slot(job)
+            if self._used_blocks + req.blocks > self._total_blocks:
+                break
+            slot = self._choose_slot(req)
             if slot is None:
-                return
-            self._take(job)
-            self._assign_or_fail(job, slot)
+                break
+            self._waiting.take(req.cache_scope, req)
+            admitted.append(req.id)
+            self._assign_or_fail(req, slot)
+        return admitted
 
-    def _assign_or_fail(self, job: Job, slot: Slot) -> None:
-        """``_assign``; a failure there (restoring a cached prefix...) fails this job alone
+    def _assign_or_fail(self, req: RequestState, slot: Slot) -> None:
+        """``_assign``; a failure there (restoring a cached prefix...) fails this req alone
         and leaves the slot empty."""
         try:
-            self._assign(job, slot)
+            self._assign(req, slot)
         except Exception as exc:
-            if slot.job is not job:  # failed before taking the slot: drop what prepare left
+            if slot.request is not req:  # failed before taking the slot: drop what prepare left
                 self._forget(slot)
-            log.error("request %s could not start: %r", job.id, exc, exc_info=exc)
+            log.error("request %s could not start: %r", req.id, exc, exc_info=exc)
             self.counters["request_failures"] += 1
             error = {"code": errors.ENGINE_ERROR, "message": "this request failed to start"}
-            self._drop(job, error)
+            self._drop(req, error)
 
-    def _head(self) -> Job | None:
-        """The oldest waiting job of the first scope in turn order whose running requests
+    def _head(self) -> RequestState | None:
+        """The oldest waiting req of the first scope in turn order whose running requests
         leave room for it within the scope's KV share (None: no such scope)."""
         held = self._scope_held()
-        for scope in self._turns:
-            job = next(j for j in self._waiting if j.cache_scope == scope)
-            if held[scope] + job.blocks <= self._scope_blocks:
-                return job
+        for scope, req in self._waiting.heads():
+            if held[scope] + req.blocks <= self._scope_blocks:
+                return req
         return None
-
-    def _take(self, job: Job) -> None:
-        """Dequeue a job; its scope, if it still has jobs waiting, goes to the back of the turns."""
-        self._waiting.remove(job)
-        self._turns.remove(job.cache_scope)
-        if any(j.cache_scope == job.cache_scope for j in self._waiting):
-            self._turns.append(job.cache_scope)
 
     def _scope_held(self) -> Counter[str]:
         """KV blocks reserved by each scope's running requests."""
         held: Counter[str] = Counter()
         for slot in self._slots:
-            if slot.job is not None:
-                held[slot.job.cache_scope] += slot.job.blocks
+            if slot.request is not None:
+                held[slot.request.cache_scope] += slot.request.blocks
         return held
 
-    def _admit_session(self, head: Job) -> bool:
+    def _admit_session(self, head: RequestState) -> RequestState | None:
         """A queued request whose session's slot is free takes it now, ahead of ``head``, if
-        the KV budget allows."""
+        the KV budget allows; returns it (None: nobody went ahead)."""
         if head.passed_over >= self.config.session_max_bypass:
-            return False  # this head has been passed over enough: it goes next
+            return None  # this head has been passed over enough: it goes next
         pinned = {
             (s.scope, s.session): s
             for s in self._slots
             if s.state is SlotState.IDLE and s.session is not None
         }
         if not pinned:
-            return False
+            return None
         held = self._scope_held()
-        for job in self._waiting:
-            slot = pinned.get((job.cache_scope, job.session))
+        for req in self._waiting:
+            slot = pinned.get((req.cache_scope, req.session))
             fits = (
-                self._used_blocks + job.blocks <= self._total_blocks
-                and held[job.cache_scope] + job.blocks <= self._scope_blocks
+                self._used_blocks + req.blocks <= self._total_blocks
+                and held[req.cache_scope] + req.blocks <= self._scope_blocks
             )
-            if job is not head and slot is not None and job.cache_prompt and fits:
-                self._take(job)
+            if req is not head and slot is not None and req.cache_prompt and fits:
+                self._waiting.take(req.cache_scope, req)
                 head.passed_over += 1
                 self.counters["session_bypasses"] += 1
-                self._assign_or_fail(job, slot)
-                return True
-        return False
+                self._assign_or_fail(req, slot)
+                return req
+        return None
 
-    def _choose_slot(self, job: Job) -> Slot | None:
+    def _choose_slot(self, req: RequestState) -> Slot | None:
         """The session's own free slot; else, among free slots (those pinned to a session only
         if no other is free), the one whose same-scope cached prefix is longest if it covers
         > 10% of the prompt; else an empty slot; else the least recently used."""
         free = [s for s in self._slots if s.state is SlotState.IDLE]
         if not free:
             return None
-        if job.cache_prompt and job.session is not None:
+        if req.cache_prompt and req.session is not None:
             for s in free:
-                if (s.scope, s.session) == (job.cache_scope, job.session):
+                if (s.scope, s.session) == (req.cache_scope, req.session):
                     return s
         free = [s for s in free if s.session is None] or free
-        if job.cache_prompt:
+        if req.cache_prompt:
             scoped = [
-                (common_prefix_len(s.tokens, job.prompt), -len(s.tokens), s)
+                (common_prefix_len(s.tokens, req.prompt), -len(s.tokens), s)
                 for s in free
-                if s.scope == job.cache_scope and s.tokens
+                if s.scope == req.cache_scope and s.tokens
             ]
             if scoped:
                 n, _, best = max(scoped, key=lambda m: m[:2])  # ties: the one that loses the least
-                if n > 0.1 * len(job.prompt):
+                if n > 0.1 * len(req.prompt):
                     return best
         return min(free, key=lambda s: (bool(s.tokens), s.last_used))
 
-    def _assign(self, job: Job, slot: Slot) -> None:
-        self.cache.prepare(job, slot, self._slots)  # sets job.cached_tokens and slot.tokens/scope
-        slot.job, slot.state = job, SlotState.PREFILLING
-        slot.session = job.session if job.cache_prompt else None
-        job.slot, job.status = slot, Status.PREFILLING
-        job.t_started = self._clock()
-        self._used_blocks += job.blocks
+    def _assign(self, req: RequestState, slot: Slot) -> None:
+        self.cache.prepare(req, slot, self._slots)  # sets req.cached_tokens and slot.tokens/scope
+        slot.request, slot.state = req, SlotState.PREFILLING
+        slot.session = req.session if req.cache_prompt else None
+        req.slot, req.status = slot, Status.PREFILLING
+        req.t_started = self._clock()
+        self._used_blocks += req.blocks
 
-    def _plan(self, cap: int) -> list[_Planned]:
-        """Decode rows first, then prefill chunks round-robin, within ``cap`` tokens."""
-        plan: list[_Planned] = []
+    def _plan_batch(self, plan: TickPlan) -> None:
+        """Fill ``plan.rows``: a decode row for every generating slot first, then prefill
+        chunks round-robin among prefilling slots (each at most ``chunk_size``), all within
+        ``plan.token_budget`` tokens. The rows are then in flight (a cancel aborts them)."""
+        budget = plan.token_budget
         used = 0
         for slot in self._slots:
-            if slot.state is SlotState.GENERATING and used < cap:
-                job = slot.job
-                plan.append(
-                    _Planned(
-                        slot, job, BatchRow(slot.seq_id, (job.output[-1],), len(slot.tokens), True)
-                    )
-                )
+            if slot.state is SlotState.GENERATING and used < budget:
+                req = slot.request
+                row = BatchRow(slot.seq_id, (req.output[-1],), len(slot.tokens), True)
+                plan.rows.append(PlannedRow(req.id, slot.seq_id, Phase.DECODE, row, req, slot))
                 used += 1
         n = len(self._slots)
         prefilling = sorted(
@@ -563,57 +565,58 @@ class Scheduler:
         if prefilling:
             self._rr_next = (prefilling[0].seq_id + 1) % n
         for slot in prefilling:
-            room = cap - used
+            room = budget - used
             if room <= 0:
                 break
-            job = slot.job
-            if job.cache_prompt and self.config.cross_slot:
-                self.cache.catch_up(job, slot, self._slots)
-                if self._computed_by_another(job, len(slot.tokens), plan):
+            req = slot.request
+            if req.cache_prompt and self.config.cross_slot:
+                self.cache.catch_up(req, slot, self._slots)
+                if self._computed_by_another(req, len(slot.tokens), plan.rows):
+                    plan.deferred.append(req.id)
                     continue
             done = len(slot.tokens)
-            take = min(self.config.chunk_size, room, len(job.prompt) - done)
-            last = done + take == len(job.prompt)
-            plan.append(
-                _Planned(
-                    slot, job, BatchRow(slot.seq_id, job.prompt[done : done + take], done, last)
-                )
-            )
+            take = min(self.config.chunk_size, room, len(req.prompt) - done)
+            last = done + take == len(req.prompt)
+            row = BatchRow(slot.seq_id, req.prompt[done : done + take], done, last)
+            plan.rows.append(PlannedRow(req.id, slot.seq_id, Phase.PREFILL, row, req, slot))
             used += take
-        return plan
+        self._in_flight = plan.request_ids
+        self.tick_rows = list(self._in_flight)
+        self.last_plan = plan
+
+    def _replan(self, plan: TickPlan, token_budget: int) -> TickPlan:
+        """The same tick's batch planned again within ``token_budget`` (KV pressure)."""
+        again = TickPlan(plan.tick, token_budget, admitted=plan.admitted, cancelled=plan.cancelled)
+        self._plan_batch(again)
+        return again
 
     @staticmethod
-    def _computed_by_another(job: Job, done: int, plan: list[_Planned]) -> bool:
+    def _computed_by_another(req: RequestState, done: int, rows: list[PlannedRow]) -> bool:
         """Whether a prefill row already in this tick computes the next tokens of the prompt."""
-        for p in plan:
-            leads = p.job.status is Status.PREFILLING and p.slot.scope == job.cache_scope
+        for p in rows:
+            leads = p.phase is Phase.PREFILL and p.slot.scope == req.cache_scope
             if leads and p.row.pos0 <= done:
                 end = p.row.pos0 + len(p.row.tokens)
-                shared = min(common_prefix_len(p.job.prompt, job.prompt), end)
+                shared = min(common_prefix_len(p.request.prompt, req.prompt), end)
                 if shared - done >= SHARED_PREFILL_MIN_TOKENS:
                     return True
         return False
 
-    def _after_decode(
-        self,
-        plan: list[_Planned],
-        rows: list[BatchRow],
-        n_tokens: int,
-        eval_ms: float,
-        retries: int,
-    ) -> TickStats:
+    def _commit(self, plan: TickPlan, eval_ms: float, retries: int) -> TickStats:
+        """Apply a decoded plan: each slot's KV now holds its row, and every row with logits
+        is sampled (its request's own sampler, by batch index)."""
         now = self._clock()
         offset = 0
-        decode_tokens = 0
-        for p in plan:
-            offset += len(p.row.tokens)
+        for p in plan.rows:
+            offset += p.n_tokens
             p.slot.tokens.extend(p.row.tokens)
-            if p.job.status is Status.GENERATING:
-                decode_tokens += 1
-            if p.row.logits and p.job.id in self._jobs:
-                self._sample_row(p.job, offset - 1, now)
+            if p.row.logits and self._requests.get(p.request_id) is p.request:
+                self._sample_row(p.request, offset - 1, now)
         self._tick += 1
         self.counters["ticks"] += 1
+        self.tick_rows = []
+        n_tokens = plan.n_tokens
+        decode_tokens = len(plan.decoding())
         return TickStats(
             tick=self._tick,
             batch_tokens=n_tokens,
@@ -625,23 +628,23 @@ class Scheduler:
             kv_retries=retries,
         )
 
-    def _sample_row(self, job: Job, batch_index: int, now: float) -> None:
+    def _sample_row(self, req: RequestState, batch_index: int, now: float) -> None:
         """Sample and take one request's next token; whatever fails here fails that
         request alone (its sampler, its grammar, its text decoding, its stop strings)."""
         try:
-            self._on_token(job, job.sampler.sample(batch_index), now)
+            self._on_token(req, req.sampler.sample(batch_index), now)
         except GrammarEnded:
-            self._note_first_token(job, now)
-            self._finish(job, Status.FINISHED_STOPPED)
+            self._note_first_token(req, now)
+            self._finish(req, Status.FINISHED_STOPPED)
         except Exception as exc:
-            self.fail_request(job.id, exc)
+            self.fail_request(req.id, exc)
 
     def fail_request(self, request_id: str, exc: BaseException) -> bool:
         """End one request with ``engine_error`` after a failure tied to it; its slot and KV
         are freed and every other request carries on. False if it had already ended."""
-        with self._lock:
-            job = self._jobs.get(request_id)
-            if job is None:
+        with self.lock:
+            req = self._requests.get(request_id)
+            if req is None:
                 return False
             if isinstance(exc, RowFailed) and exc.param:  # the request's own fault
                 log.info("request %s failed alone: %s", request_id, exc)
@@ -652,83 +655,79 @@ class Scheduler:
             if isinstance(exc, RowFailed):
                 error = {"code": exc.code, "message": str(exc), "param": exc.param}
             try:
-                self._finish(job, Status.FINISHED_ERROR, error)
+                self._finish(req, Status.FINISHED_ERROR, error)
             except Exception:
                 log.exception("ending request %s failed; dropping it", request_id)
-                self._drop(job, error)
+                self._drop(req, error)
             return True
 
-    def _drop(self, job: Job, error: dict[str, Any]) -> None:
-        """The last resort when ``_finish`` itself failed: forget the job, free what it
+    def _drop(self, req: RequestState, error: dict[str, Any]) -> None:
+        """The last resort when ``_finish`` itself failed: forget the req, free what it
         held, still send its end (no text tail: decoding it is what may have failed)."""
-        self._jobs.pop(job.id, None)
-        if job in self._waiting:
-            self._waiting.remove(job)
-        if job.cache_scope in self._turns and not any(
-            j.cache_scope == job.cache_scope for j in self._waiting
-        ):
-            self._turns.remove(job.cache_scope)
-        if job.slot is not None and job.slot.job is job:
-            job.slot.job, job.slot.state = None, SlotState.IDLE
-            self._forget(job.slot)
-            self._used_blocks -= job.blocks
-        job.slot = None
+        self._requests.pop(req.id, None)
+        if req.slot is None and req in self._waiting:
+            self._waiting.remove(req.cache_scope, req)
+        if req.slot is not None and req.slot.request is req:
+            req.slot.request, req.slot.state = None, SlotState.IDLE
+            self._forget(req.slot)
+            self._used_blocks -= req.blocks
+        req.slot = None
         try:
-            job.sampler.close()
+            req.sampler.close()
         except Exception:
-            log.exception("closing the sampler of %s failed", job.id)
-        job.status = Status.FINISHED_ERROR
-        self._emit(FinishedEvent(job.id, "error", self._stats(job, self._clock()), error=error))
+            log.exception("closing the sampler of %s failed", req.id)
+        req.status = Status.FINISHED_ERROR
+        self._emit(FinishedEvent(req.id, "error", self._stats(req, self._clock()), error=error))
 
-    def _note_first_token(self, job: Job, now: float) -> None:
-        if job.t_first_token is None:
-            job.t_first_token = now
-            job.status = Status.GENERATING
-            job.slot.state = SlotState.GENERATING
+    def _note_first_token(self, req: RequestState, now: float) -> None:
+        if req.t_first_token is None:
+            req.t_first_token = now
+            req.status = Status.GENERATING
+            req.slot.state = SlotState.GENERATING
 
-    def _on_token(self, job: Job, token: int, now: float) -> None:
-        self._note_first_token(job, now)
-        if not job.params.ignore_eos and self.engine.is_eog(token):
-            self._finish(job, Status.FINISHED_STOPPED)
+    def _on_token(self, req: RequestState, token: int, now: float) -> None:
+        self._note_first_token(req, now)
+        if not req.params.ignore_eos and self.engine.is_eog(token):
+            self._finish(req, Status.FINISHED_STOPPED)
             return
-        job.output.append(token)
-        job.unsent_tokens += 1
-        text = job.text.feed(self.engine.token_bytes(token))
+        req.output.append(token)
+        req.unsent_tokens += 1
+        text = req.text.feed(self.engine.token_bytes(token))
         if text:
-            self._emit(TokenEvent(job.id, text, job.unsent_tokens))
-            job.unsent_tokens = 0
-        if job.text.stopped_by is not None:
-            self._finish(job, Status.FINISHED_STOPPED)
-        elif len(job.output) >= job.max_tokens:
-            self._finish(job, Status.FINISHED_LENGTH)
+            self._emit(TokenEvent(req.id, text, req.unsent_tokens))
+            req.unsent_tokens = 0
+        if req.text.stopped_by is not None:
+            self._finish(req, Status.FINISHED_STOPPED)
+        elif len(req.output) >= req.max_tokens:
+            self._finish(req, Status.FINISHED_LENGTH)
 
-    def _finish(self, job: Job, status: Status, error: dict[str, Any] | None = None) -> None:
+    def _finish(
+        self, req: RequestState, status: Status, error: dict[str, Any] | None = None
+    ) -> None:
         """End a request wherever it is: free its slot and blocks, send the tail and the end."""
         now = self._clock()
-        job.status = status
-        if job.slot is not None:
-            self._release(job.slot, keep_cache=job.cache_prompt and error is None)
-            self._used_blocks -= job.blocks
+        req.status = status
+        if req.slot is not None:
+            self._release(req.slot, keep_cache=req.cache_prompt and error is None)
+            self._used_blocks -= req.blocks
         else:
-            self._waiting.remove(job)
-            if not any(j.cache_scope == job.cache_scope for j in self._waiting):
-                self._turns.remove(job.cache_scope)
-        tail = job.text.flush()
-        if tail or job.unsent_tokens:
-            self._emit(TokenEvent(job.id, tail, job.unsent_tokens))
-        job.sampler.close()
-        del self._jobs[job.id]
-        stats = self._stats(job, now)
+            self._waiting.remove(req.cache_scope, req)
+        tail = req.text.flush()
+        if tail or req.unsent_tokens:
+            self._emit(TokenEvent(req.id, tail, req.unsent_tokens))
+        req.sampler.close()
+        del self._requests[req.id]
+        stats = self._stats(req, now)
         reason = FINISH_REASON[status]
         self.counters[f"finished_{reason}"] += 1
         self.counters["prompt_tokens"] += stats.prompt_tokens
         self.counters["cached_tokens"] += stats.cached_tokens
         self.counters["completion_tokens"] += stats.completion_tokens
-        log.debug("request %s finished: %s %s", job.id, reason, stats)  # the daemon logs JSON
-        self._emit(FinishedEvent(job.id, reason, stats, stop=job.text.stopped_by, error=error))
+        log.debug("request %s finished: %s %s", req.id, reason, stats)  # the daemon logs JSON
+        self._emit(FinishedEvent(req.id, reason, stats, stop=req.text.stopped_by, error=error))
 
     def _release(self, slot: Slot, keep_cache: bool) -> None:
-        slot.job, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
+        slot.request, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
         if not keep_cache:
             self._forget(slot)
 
@@ -745,27 +744,27 @@ class Scheduler:
             except Exception:  # a publishing hook must never break a tick
                 log.exception("on_cache_event hook failed")
 
-    def _stats(self, job: Job, now: float) -> RequestStats:
-        first, started = job.t_first_token, job.t_started
-        evaluated = len(job.prompt) - job.cached_tokens
+    def _stats(self, req: RequestState, now: float) -> RequestStats:
+        first, started = req.t_first_token, req.t_started
+        evaluated = len(req.prompt) - req.cached_tokens
         prefill_s = first - started if first is not None and started is not None else 0.0
         gen_s = now - first if first is not None else 0.0
         return RequestStats(
-            prompt_tokens=len(job.prompt) if started is not None else 0,  # billed once computed
-            cached_tokens=job.cached_tokens,
-            completion_tokens=len(job.output),
-            queue_ms=_ms(started - job.arrival) if started is not None else None,
-            ttft_ms=_ms(first - job.arrival) if first is not None else None,
-            duration_ms=_ms(now - job.arrival),
+            prompt_tokens=len(req.prompt) if started is not None else 0,  # billed once computed
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output),
+            queue_ms=_ms(started - req.arrival) if started is not None else None,
+            ttft_ms=_ms(first - req.arrival) if first is not None else None,
+            duration_ms=_ms(now - req.arrival),
             prompt_eval_rate=round(evaluated / prefill_s, 1) if prefill_s > 0 else None,
-            generation_rate=round((len(job.output) - 1) / gen_s, 1)
-            if gen_s > 0 and len(job.output) > 1
+            generation_rate=round((len(req.output) - 1) / gen_s, 1)
+            if gen_s > 0 and len(req.output) > 1
             else None,
         )
 
-    def _rollback(self, plan: list[_Planned]) -> None:
+    def _rollback(self, plan: TickPlan) -> None:
         """After an aborted decode: drop whatever part of this tick reached the KV cache."""
-        for p in plan:
+        for p in plan.rows:
             self.engine.kv_remove(p.slot.seq_id, p.row.pos0, -1)
 
     def _purge_idle(self) -> bool:
@@ -782,13 +781,15 @@ class Scheduler:
 
     def _fail_largest(self) -> None:
         """KV pressure, last remedy: a single token does not fit, so the biggest sequence goes."""
-        active = [s for s in self._slots if s.job is not None]
+        active = [s for s in self._slots if s.request is not None]
         victim = max(active, key=lambda s: len(s.tokens))
         log.warning(
-            "KV cache full: failing request %s (%d tokens in KV)", victim.job.id, len(victim.tokens)
+            "KV cache full: failing request %s (%d tokens in KV)",
+            victim.request.id,
+            len(victim.tokens),
         )
         self._finish(
-            victim.job,
+            victim.request,
             Status.FINISHED_ERROR,
             {
                 "code": errors.CONTEXT_FULL,
@@ -797,15 +798,15 @@ class Scheduler:
             },
         )
 
-    def _fail_plan(self, plan: list[_Planned], rc: int) -> None:
+    def _fail_plan(self, plan: TickPlan, rc: int) -> None:
         log.error(
-            "llama_decode failed with %d; failing the %d requests in the batch", rc, len(plan)
+            "llama_decode failed with %d; failing the %d requests in the batch", rc, len(plan.rows)
         )
         self._rollback(plan)
-        for p in plan:
-            if p.job.id in self._jobs:
+        for p in plan.rows:
+            if p.request.id in self._requests:
                 self._finish(
-                    p.job,
+                    p.request,
                     Status.FINISHED_ERROR,
                     {
                         "code": errors.ENGINE_ERROR,
@@ -815,16 +816,16 @@ class Scheduler:
 
     @staticmethod
     def _slot_info(slot: Slot) -> dict[str, Any]:
-        job = slot.job
+        req = slot.request
         return {
             "id": slot.seq_id,
             "state": slot.state.value,
-            "request_id": job.id if job else None,
-            "cache_scope": job.cache_scope if job else slot.scope,
+            "request_id": req.id if req else None,
+            "cache_scope": req.cache_scope if req else slot.scope,
             "kv_tokens": len(slot.tokens),
-            "prompt_tokens": len(job.prompt) if job else 0,
-            "cached_tokens": job.cached_tokens if job else 0,
-            "generated_tokens": len(job.output) if job else 0,
+            "prompt_tokens": len(req.prompt) if req else 0,
+            "cached_tokens": req.cached_tokens if req else 0,
+            "generated_tokens": len(req.output) if req else 0,
         }
 
 

@@ -4,7 +4,7 @@ A native crash (a llama.cpp bug that validation missed) kills the daemon process
 Python cannot catch it. The supervisor runs the daemon as a child process under one daemon
 id and starts it again when it dies (a signal or a non-zero exit), after a back-off that
 grows while it keeps dying quickly. The new run recovers what the old one had read
-(``DaemonTransport._reclaim_own``); a job that was running at two deaths is quarantined.
+(``Recovery.reclaim_own``); a job that was running at two deaths is quarantined.
 
 A clean exit (status 0: SIGTERM/SIGINT handled, or a drain) ends the supervisor too.
 SIGTERM/SIGINT sent to the supervisor go to the child, which drains and exits.

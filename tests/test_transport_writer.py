@@ -1,13 +1,14 @@
 """The daemon's event writer against a real Redis, with no model: nothing buffered is lost
-when a write fails, and the retry carries it."""
+when a write fails, and a request's job entry is acknowledged with its end, whenever it ends."""
+
 import uuid
-from types import SimpleNamespace
 
 import pytest
 import redis
 
-from scheduler_daemon.jobs import TokenEvent
-from scheduler_daemon.transport import DaemonTransport
+from scheduler_daemon.event_writer import EventWriter
+from scheduler_daemon.lifecycle import Lifecycle
+from scheduler_daemon.state import FinishedEvent, RequestStats, TokenEvent
 from tests.live_service import redis_conn
 from wire import protocol
 
@@ -30,20 +31,57 @@ class FlakyRedis:
         return pipe
 
 
+def writer_on(client) -> EventWriter:
+    return EventWriter(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", Lifecycle())
+
+
+def finished(request_id: str) -> FinishedEvent:
+    stats = RequestStats(4, 0, 2, 1.0, 2.0, 3.0, None, None)
+    return FinishedEvent(request_id, "length", stats)
+
+
 def test_a_failed_write_keeps_the_events_for_the_next_one():
     real = redis_conn()
-    core = SimpleNamespace(listeners=[], tick_listeners=[])
-    transport = DaemonTransport(core, FlakyRedis(real, failures=1), f"m-{uuid.uuid4().hex[:6]}")
+    writer = writer_on(FlakyRedis(real, failures=1))
     request_id = uuid.uuid4().hex
     stream = protocol.events_stream(request_id)
     try:
-        transport._on_event(TokenEvent(request_id, "Hel", 1))
+        writer.on_event(TokenEvent(request_id, "Hel", 1))
         with pytest.raises(redis.ConnectionError):
-            transport._flush()
+            writer.flush()
         assert real.xlen(stream) == 0
-        transport._on_event(TokenEvent(request_id, "lo", 1))
-        transport._flush()
+        writer.on_event(TokenEvent(request_id, "lo", 1))
+        writer.flush()
         [(_, fields)] = real.xrange(stream)
         assert protocol.decode_event(fields) == (protocol.TOKEN, {"text": "Hello", "n_tokens": 2})
     finally:
         real.delete(stream)
+
+
+@pytest.mark.parametrize("ends_while_submitted", [False, True])
+def test_the_job_entry_is_acknowledged_with_the_end_even_if_it_ends_while_held(
+    ends_while_submitted,
+):
+    """A request can end before its ``accepted`` is queued (a cancel during submit, a reply
+    of one token): its end is held with its other events and must still ack its entry."""
+    real = redis_conn()
+    writer = writer_on(real)
+    real.xgroup_create(writer.jobs_stream, protocol.JOBS_GROUP, id="0", mkstream=True)
+    entry_id = real.xadd(writer.jobs_stream, {"job": "{}"}).decode()
+    real.xreadgroup(protocol.JOBS_GROUP, "test-daemon", {writer.jobs_stream: ">"})
+    request_id = uuid.uuid4().hex
+    try:
+        writer.hold(request_id)
+        writer.on_event(TokenEvent(request_id, "Hi", 2))
+        if ends_while_submitted:
+            writer.on_event(finished(request_id))
+        writer.accepted(request_id, entry_id, prompt_tokens=4)
+        if not ends_while_submitted:
+            writer.on_event(finished(request_id))
+        writer.flush()
+        kinds = [protocol.decode_event(f)[0] for _, f in real.xrange(
+            protocol.events_stream(request_id))]
+        assert kinds == ["accepted", "token", "done"]
+        assert real.xpending(writer.jobs_stream, protocol.JOBS_GROUP)["pending"] == 0
+    finally:
+        real.delete(writer.jobs_stream, protocol.events_stream(request_id))

@@ -1,7 +1,9 @@
 """Real scheduler daemons (``manage.py run_scheduler`` subprocesses with Gemma) on the test Redis.
 
 Each daemon serves its own model name, so tests never share a jobs stream with another
-daemon, and writes history to its own SQLite file, which tests read with sqlite3.
+daemon. A module's daemons write history to a database of their own on the engine the tests
+run on (an SQLite file, or a PostgreSQL database: tests/live_service.OwnDatabase), which
+tests read with plain SQL.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.live_service import OwnDatabase
 from wire import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +37,16 @@ class Daemon:
         self.daemon_id = ""
 
     def start(
-        self, timeout_s: float = 120, supervise: bool = False, daemon_id: str | None = None
+        self,
+        timeout_s: float = 120,
+        supervise: bool = False,
+        daemon_id: str | None = None,
+        grace_s: float = 5,
     ) -> Daemon:
         """``supervise``: run it under ``run_scheduler --supervise`` (``proc`` is then the
         supervisor; the daemon's own pid is in its snapshot). ``daemon_id``: reuse an id
-        (a restart), else a new one."""
+        (a restart), else a new one. ``grace_s``: ``--grace``, what in-flight requests get
+        to finish after SIGTERM."""
         self.daemon_id = daemon_id or f"test-{uuid.uuid4().hex[:8]}"
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -48,7 +55,7 @@ class Daemon:
                 "manage.py",
                 "run_scheduler",
                 "--grace",
-                "5",
+                str(grace_s),
                 "--daemon-id",
                 self.daemon_id,
                 *(["--supervise"] if supervise else []),
@@ -126,48 +133,61 @@ class Daemon:
 
 
 class HistoryDb:
-    """The daemons' SQLite history database, read and seeded with plain sqlite3."""
+    """The daemons' history database, read and seeded with plain SQL (sqlite3 or psycopg)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, database: OwnDatabase) -> None:
+        self.database = database
 
     def add_request(self, request_id: str) -> None:
-        with sqlite3.connect(self.path) as con:
-            con.execute(
-                "INSERT INTO inference_inferencerequest (id, tenant_id, kind, model, status, "
-                "session, finish_reason, error_code, created) "
-                "VALUES (?, 1, 'completion', 'm', 'queued', '', '', '', "
-                "datetime('now'))",
-                (uuid.UUID(request_id).hex,),
-            )
+        mark = self.database.placeholder
+        self._execute(
+            "INSERT INTO inference_inferencerequest (id, tenant_id, kind, model, status, "
+            "session, finish_reason, error_code, created) "
+            f"VALUES ({mark}, 1, 'completion', 'm', 'queued', '', '', '', CURRENT_TIMESTAMP)",
+            (self._key(request_id),),
+        )
 
     def row(self, request_id: str) -> dict:
-        with sqlite3.connect(self.path) as con:
-            con.row_factory = sqlite3.Row
-            found = con.execute(
-                "SELECT * FROM inference_inferencerequest WHERE id = ?",
-                (uuid.UUID(request_id).hex,),
-            ).fetchone()
-            return dict(found) if found else {}
+        found = self._execute(
+            "SELECT * FROM inference_inferencerequest WHERE id = "
+            f"{self.database.placeholder}",
+            (self._key(request_id),),
+            fetch=True,
+        )
+        return dict(found) if found else {}
+
+    def _key(self, request_id: str) -> object:
+        """Django's UUIDField: a native uuid on PostgreSQL, 32 hex digits on SQLite."""
+        value = uuid.UUID(request_id)
+        return value if self.database.is_postgres else value.hex
+
+    def _execute(self, sql: str, params: tuple, fetch: bool = False) -> object:
+        """One statement in its own committed transaction; with ``fetch``, its first row."""
+        con = self.database.connect()
+        try:
+            found = con.execute(sql, params).fetchone() if fetch else None
+            con.commit()
+            return found
+        finally:
+            con.close()
 
 
 @pytest.fixture(scope="module")
 def daemon_env(tmp_path_factory):
-    """Environment for daemon subprocesses: own SQLite history DB (migrated), test Redis."""
+    """Environment for daemon subprocesses: their own history database (migrated, on the
+    tests' engine), test Redis."""
     tmp = tmp_path_factory.mktemp("daemon")
-    db_path = tmp / "history.sqlite3"
+    database = OwnDatabase(tmp, "history")
     env = {
         **os.environ,
         "REDIS_URL": TEST_REDIS_URL,
-        "DATABASE_URL": f"sqlite:///{db_path}",
+        "DATABASE_URL": database.url,
         "N_CTX": "2048",
         "N_PARALLEL": "2",
         "N_BATCH": "512",
         "LOG_LEVEL": "INFO",
     }
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
-    )
+    database.migrate(env)
     subprocess.run(
         [sys.executable, "manage.py", "create_tenant", "t1"],
         cwd=ROOT,
@@ -175,7 +195,8 @@ def daemon_env(tmp_path_factory):
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    return env, HistoryDb(db_path), tmp
+    yield env, HistoryDb(database), tmp
+    database.drop()
 
 
 @pytest.fixture(scope="module")

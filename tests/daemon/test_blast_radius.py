@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from scheduler_daemon.transport import FAULT_MARKER, job_fingerprint
+from scheduler_daemon.intake import FAULT_MARKER, job_fingerprint
 from wire import protocol
 
 pytestmark = pytest.mark.slow
@@ -101,10 +101,13 @@ def test_refusals_before_the_engine_name_the_field_and_the_limit(daemon):
 
 
 def test_failures_are_counted_by_reason_and_a_malformed_entry_is_dropped(daemon):
+    """(A failure while starting a job, ``internal_error``: tests/daemon/test_intake.py.)"""
     before = dict(daemon.snapshot().get("rejected") or {})
     daemon.redis.xadd(protocol.jobs_stream(daemon.model), {"job": "{not json"})
     job = daemon.enqueue(prompt="x", max_queued="many")
-    assert daemon.events(job.id)[-1][2]["code"] == "internal_error"
+    data = daemon.events(job.id)[-1][2]
+    assert (data["code"], data["param"], data["status"]) == ("invalid_request_error",
+                                                             "max_queued", 400)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         rejected = daemon.snapshot().get("rejected") or {}
@@ -112,7 +115,7 @@ def test_failures_are_counted_by_reason_and_a_malformed_entry_is_dropped(daemon)
             break
         time.sleep(0.1)
     assert rejected["malformed"] == before.get("malformed", 0) + 1
-    assert rejected["internal_error"] >= before.get("internal_error", 0) + 1
+    assert rejected["invalid_request_error"] >= before.get("invalid_request_error", 0) + 1
     pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0  # the malformed entry was acknowledged, not left behind
 

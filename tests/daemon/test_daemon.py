@@ -150,12 +150,33 @@ def test_queue_full_refuses_fast_and_every_accepted_job_completes(make_daemon):
 
 
 def test_sigterm_drains_and_exits_cleanly(make_daemon):
-    daemon = make_daemon().start()
-    job = daemon.enqueue(prompt="Once upon a time", params={"max_tokens": 16, "temperature": 0})
-    daemon.wait_for(job.id, "accepted")
-    assert daemon.stop(signal.SIGTERM) == 0
-    assert daemon.events(job.id, timeout_s=5)[-1][1] == "done"  # finished within the grace period
+    """SIGTERM while a request is running: the daemon stops taking jobs, lets the running
+    one finish (the grace is generous: nothing here depends on speed), exits 0."""
+    daemon = make_daemon().start(grace_s=600)
+    params = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    job = daemon.enqueue(prompt="Tell me a long story.", params=params)
+    daemon.wait_for(job.id, "token")
+    daemon.proc.send_signal(signal.SIGTERM)
+    wait_log(daemon, "-> DRAINING")
+    late = daemon.enqueue(prompt="The capital of France is", params=GREEDY)
+    assert daemon.proc.wait(600) == 0
+    _, kind, done = daemon.events(job.id, timeout_s=5)[-1]
+    assert (kind, done["finish_reason"]) == ("done", "length")
+    assert done["usage"]["completion_tokens"] == 300  # it ran to its end, not cancelled
+    log = daemon.log_path.read_text()
+    [end_line] = [i for i, line in enumerate(log.splitlines()) if "request_end" in line
+                  and job.id in line]
+    drain_line = next(i for i, line in enumerate(log.splitlines()) if "-> DRAINING" in line)
+    assert drain_line < end_line  # the drain began while the request ran
+    assert not daemon.redis.exists(protocol.events_stream(late.id))  # left for the next daemon
     assert not daemon.redis.exists(protocol.daemon_key(daemon.daemon_id))
+
+
+def wait_log(daemon, text: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in daemon.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"never logged {text!r}:\n{daemon.log_tail()}"
+        time.sleep(0.05)
 
 
 def test_a_killed_daemons_jobs_are_failed_and_a_restart_serves_the_queue(make_daemon, daemon_env):

@@ -7,19 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_daemon.jobs import FinishedEvent, TokenEvent
 from scheduler_daemon.scheduler import Scheduler, SchedulerConfig
+from scheduler_daemon.state import FinishedEvent, TokenEvent
 
 from .fake_engine import FakeEngine
 
 
 class Harness:
-    """A scheduler over a fake engine that records every event by request id."""
+    """A scheduler over a fake engine that records every event by request id, and the plan
+    of every tick it runs (``plans``)."""
 
     def __init__(self, engine: FakeEngine, **config: object) -> None:
         self.engine = engine
         self.events: dict[str, list] = {}
         self.ticks = []
+        self.plans = []
         self.scheduler = Scheduler(
             engine,
             SchedulerConfig(**config),
@@ -43,11 +45,21 @@ class Harness:
         last = self.events.get(request_id, [None])[-1]
         return last if isinstance(last, FinishedEvent) else None
 
+    def step(self):
+        """One tick; its plan is kept (the one decoded, after any KV-pressure re-plan)."""
+        stats = self.scheduler.step()
+        self.plans.append(self.scheduler.last_plan)
+        return stats
+
+    def admitted(self) -> list[str]:
+        """Request ids in the order the ticks run so far gave them a slot."""
+        return [rid for plan in self.plans for rid in plan.admitted]
+
     def run(self, max_ticks: int = 1000) -> None:
         for _ in range(max_ticks):
             if not self.scheduler.has_work():
                 return
-            self.scheduler.step()
+            self.step()
         raise AssertionError("scheduler did not finish its work")
 
 

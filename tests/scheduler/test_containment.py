@@ -3,16 +3,15 @@ tests are in tests/daemon/test_blast_radius.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine_api import GrammarEnded, RowFailed
-from scheduler_daemon.jobs import Request
+from scheduler_daemon.intake import job_fingerprint
 from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.transport import _FairQueue, job_fingerprint
+from scheduler_daemon.state import Request
 from wire import protocol
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
@@ -111,8 +110,8 @@ def test_a_failing_finish_still_ends_the_request_and_frees_the_slot(harness):
     h = harness(faulty_engine(s7=(2, RowFailed("x"))))
     h.scheduler.submit(req("bad", seed=7))
     h.scheduler.submit(req("good", seed=1))
-    job = h.scheduler._jobs["bad"]  # noqa: SLF001 - its text decoder is the fault
-    job.text = BrokenFlush(job.text)
+    state = h.scheduler._requests["bad"]  # noqa: SLF001 - its text decoder is the fault
+    state.text = BrokenFlush(state.text)
     h.run()
     assert h.finished("bad").finish_reason == "error"
     assert h.finished("good").finish_reason == "length"
@@ -242,27 +241,6 @@ def test_a_request_cancelled_while_waiting_is_billed_nothing(harness):
     assert h.finished("a1").finish_reason == "cancelled"
     assert stats.prompt_tokens == 0 and stats.completion_tokens == 0
     assert h.finished("a0").stats.prompt_tokens == 8
-
-
-def test_the_prepare_queue_takes_tenants_in_turn():
-    queue = _FairQueue()
-    jobs = [_job(f"a{i}", "A") for i in range(5)] + [_job("b0", "B"), _job("c0", "C")]
-    for i, job in enumerate(jobs):
-        queue.put(f"{i}-0", job)
-    order = [queue.get(timeout=0)[1].id for _ in range(len(jobs))]
-    assert order[:3] == ["a0", "b0", "c0"]
-    assert order[3:] == ["a1", "a2", "a3", "a4"]
-    assert queue.get(timeout=0) is None and len(queue) == 0
-
-
-def test_the_prepare_queue_wakes_a_waiting_reader():
-    queue = _FairQueue()
-    got = []
-    reader = threading.Thread(target=lambda: got.append(queue.get(timeout=10)))
-    reader.start()
-    queue.put("1-0", _job("x", "A"))
-    reader.join(10)
-    assert got and got[0][1].id == "x"
 
 
 def test_a_fingerprint_ignores_ids_and_tenants_but_not_the_request():

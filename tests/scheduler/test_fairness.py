@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_daemon.jobs import Request
+from scheduler_daemon.state import Request
 from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine
@@ -20,17 +20,9 @@ def req(rid: str, scope: str, n_prompt: int = 8, max_tokens: int = 4) -> Request
 
 
 def run_recording_admissions(h, max_ticks: int = 5000) -> list[str]:
-    """Run to the end; the request ids in the order they were given a slot."""
-    order: list[str] = []
-    assign = h.scheduler._assign  # noqa: SLF001 - the admission order is the point
-
-    def recording(job, slot) -> None:
-        order.append(job.id)
-        assign(job, slot)
-
-    h.scheduler._assign = recording
+    """Run to the end; the request ids in the order they were given a slot (the plans')."""
     h.run(max_ticks)
-    return order
+    return h.admitted()
 
 
 def test_one_tenants_burst_does_not_starve_another(harness):

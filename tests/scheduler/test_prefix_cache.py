@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.jobs import TokenEvent
 from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.state import TokenEvent
 from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.jobs import TokenEvent
 from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.state import TokenEvent
 from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 

@@ -22,8 +22,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.history import DatabaseHistory
 from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.daemon import SchedulerDaemon
 from scheduler_daemon.supervisor import supervise
-from scheduler_daemon.transport import DaemonTransport
 
 log = logging.getLogger("scheduler_daemon.run")
 
@@ -89,7 +89,7 @@ class Command(BaseCommand):
         log.info("loading %s (model name %r) ...", settings.MODEL_PATH, settings.MODEL_NAME)
         core = InferenceCore.from_settings()
         log.info("model loaded in %.1f s", time.monotonic() - t0)
-        transport = DaemonTransport(
+        daemon = SchedulerDaemon(
             core,
             client,
             settings.MODEL_NAME,
@@ -100,13 +100,13 @@ class Command(BaseCommand):
             history=DatabaseHistory(),
         )
         core.start()
-        transport.start()
-        self.stdout.write(f"scheduler daemon {transport.daemon_id} ready", ending="\n")
+        daemon.start()
+        self.stdout.write(f"scheduler daemon {daemon.daemon_id} ready", ending="\n")
         self.stdout.flush()
         while not stop.wait(0.5):
-            if not transport.healthy:
-                log.error("a transport thread died; shutting down")
+            if not daemon.healthy:
+                log.error("a daemon thread died; shutting down")
                 break
         log.info("shutting down: finishing in-flight requests (grace %.0f s)", options["grace"])
-        transport.stop(options["grace"])
+        daemon.stop(options["grace"])
         core.engine.close()

@@ -1,7 +1,10 @@
-"""The records the scheduler keeps and the events it emits.
+"""The scheduler's state and the events it emits.
 
-``Job`` is a request inside the scheduler, ``Slot`` one llama.cpp sequence. Requests are
-always found by id (``Scheduler._jobs``), never by their position in a batch.
+``Request`` is what a caller submits; ``RequestState`` is that request inside the scheduler
+(its prompt, sampler, output and status); ``Slot`` is one llama.cpp sequence (``seq_id``)
+and what its KV cells hold. Requests are always found by id (``Scheduler._requests``), never
+by their position in a batch. (The wire's job message is ``wire.protocol.Job``: the daemon's
+intake turns one into a ``Request``.)
 """
 
 from __future__ import annotations
@@ -25,10 +28,6 @@ class Status(IntEnum):
     FINISHED_LENGTH = 11  # max_tokens reached
     FINISHED_CANCELLED = 12  # cancelled by the client, an operator or shutdown
     FINISHED_ERROR = 13  # failed (context_full, engine error)
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= Status.FINISHED_STOPPED
 
 
 FINISH_REASON = {
@@ -68,12 +67,12 @@ class Request:
     session: str | None = None
     cache_prompt: bool | None = None  # None: the scheduler's default
     arrival: float | None = None  # monotonic seconds; None: when submitted
-    max_queued: int | None = None  # its scope's cap on waiting jobs; None: the configured one
+    max_queued: int | None = None  # its scope's cap on waiting requests; None: the configured one
 
 
-@dataclass(slots=True)
-class Job:
-    """A request inside the scheduler."""
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request inside the scheduler (compared by identity: one object per request)."""
 
     id: str
     prompt: list[int]
@@ -102,7 +101,7 @@ class Slot:
 
     seq_id: int
     state: SlotState = SlotState.IDLE
-    job: Job | None = None
+    request: RequestState | None = None  # the request it serves (None: idle)
     tokens: list[int] = field(default_factory=list)
     scope: str | None = None  # whose cached prefix ``tokens`` is; None: not reusable
     session: str | None = None  # the conversation pinned here while the slot is free

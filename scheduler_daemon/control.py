@@ -1,0 +1,103 @@
+"""Messages in that act on work already here: cancels, and an operator's commands.
+
+Two threads, both until the lifecycle reaches ``STOPPING``:
+
+- cancels: pub/sub on ``llm:cancel`` -> ``core.cancel(id)``; a cancel inside a long prefill
+  aborts the decode in flight (docs/scheduler.md). The durable cancel flag is the intake's
+  to check before a job starts.
+- commands: ``llm:control:<daemon id>`` (``wire.protocol.CONTROL_ACTIONS``): ``drain``
+  pauses the intake (``lifecycle``: SERVING -> PAUSING -> PAUSED), ``resume`` reopens it,
+  ``evict_scope`` drops one tenant's cached prefixes. A bad command is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from wire import protocol
+
+from .core import InferenceCore
+from .lifecycle import Lifecycle, State
+from .recovery import as_text
+
+log = logging.getLogger(__name__)
+
+DRAIN_WAIT_S = 10.0  # how long a drain command waits for the intake's read under way
+
+
+class Control:
+    """Cancels and operator commands for one daemon."""
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        client: redis.Redis,
+        daemon_id: str,
+        lifecycle: Lifecycle,
+        on_change: Callable[[], None],
+    ) -> None:
+        """``on_change``: called after a command took effect (a heartbeat: the admin sees it)."""
+        self.core = core
+        self.redis = client
+        self.daemon_id = daemon_id
+        self.lifecycle = lifecycle
+        self.on_change = on_change
+
+    def cancel_loop(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(protocol.CANCEL_CHANNEL)
+        try:
+            while self.lifecycle.running:
+                try:
+                    message = pubsub.get_message(timeout=0.5)
+                except redis.RedisError:
+                    log.exception("cancel channel failed; resubscribing in 1 s")
+                    time.sleep(1)
+                    pubsub.close()
+                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(protocol.CANCEL_CHANNEL)
+                    continue
+                if message and message["type"] == "message":
+                    self.core.cancel(as_text(message["data"]))
+        finally:
+            pubsub.close()
+
+    def command_loop(self) -> None:
+        stream, last = protocol.control_stream(self.daemon_id), "$"
+        while self.lifecycle.running:
+            try:
+                reply = self.redis.xread({stream: last}, block=500)
+            except redis.RedisError:
+                log.exception("reading control commands failed; retrying in 1 s")
+                time.sleep(1)
+                continue
+            for _name, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = as_text(entry_id)
+                    try:
+                        self.apply(protocol.decode_command(fields))
+                    except Exception:  # an operator's bad command must never stop the daemon
+                        log.exception("ignoring a control command that failed")
+
+    def apply(self, command: dict[str, Any]) -> None:
+        """Carry out one operator command."""
+        action = command["action"]
+        log.warning("operator command: %s", command)
+        if action == "drain":
+            if self.lifecycle.move(State.PAUSING):
+                # a read already blocking may still deliver: "draining" is published once
+                # the intake is idle (PAUSED)
+                self.lifecycle.wait_for({State.PAUSED, State.DRAINING}, DRAIN_WAIT_S)
+        elif action == "resume":
+            self.lifecycle.move(State.SERVING)
+        elif action == "evict_scope":
+            evicted = self.core.scheduler.evict_scope(str(command["scope"]))
+            log.warning("evicted %s cached prefix entries of scope %s", evicted, command["scope"])
+        else:
+            raise ValueError(f"unknown control action {action!r}")
+        self.on_change()

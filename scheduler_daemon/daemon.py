@@ -1,0 +1,131 @@
+"""The scheduler daemon: one model's jobs served from Redis by an ``InferenceCore``.
+
+Assembles the parts and owns the one lifecycle (``lifecycle.py``: STARTING -> SERVING <->
+PAUSING/PAUSED -> DRAINING -> STOPPING -> STOPPED). Threads, besides the core's loop:
+
+- ``intake.py``: the reader (jobs stream -> prepare queue, dead daemons' jobs recovered via
+  ``recovery.py``) and the preparer (prepare queue -> core, round-robin by tenant);
+- ``control.py``: cancels (pub/sub) and operator commands (drain, resume, evict a scope);
+- ``event_writer.py``: events out, one pipeline per flush, history rows, the request log;
+- ``heartbeat.py``: the snapshot every second.
+
+The wire (keys, message shapes) is ``wire/protocol.py``; docs/daemon.md tells the story.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from .control import Control
+from .core import InferenceCore
+from .event_writer import EventWriter
+from .heartbeat import Heartbeat
+from .history import HistorySink
+from .intake import Intake
+from .lifecycle import Lifecycle, State
+
+log = logging.getLogger(__name__)
+
+THREAD_JOIN_S = 10.0
+
+
+class SchedulerDaemon:
+    """Serves one model's jobs from Redis; ``start()``, then ``stop(grace_s)`` once."""
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        client: redis.Redis,
+        model: str,
+        daemon_id: str | None = None,
+        config_info: dict[str, Any] | None = None,
+        stream_interval_s: float = 0.0,
+        fault_injection: bool = False,
+        history: HistorySink | None = None,
+    ) -> None:
+        """``history``: where request rows are closed (``run_scheduler`` gives
+        ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
+        ``stream_interval_s``: see ``EventWriter``. ``fault_injection``: the test-only hook
+        (``intake.FAULT_MARKER``)."""
+        self.core = core
+        self.redis = client
+        self.model = model
+        self.daemon_id = daemon_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.lifecycle = Lifecycle()
+        self.writer = EventWriter(
+            client, model, self.daemon_id, self.lifecycle, history, stream_interval_s
+        )
+        self.intake = Intake(
+            core, client, model, self.daemon_id, self.lifecycle, self.writer, fault_injection
+        )
+        self.heartbeat = Heartbeat(
+            core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected, config_info
+        )
+        self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
+        self._threads: dict[str, threading.Thread] = {}
+        core.listeners.append(self.writer.on_event)
+        core.tick_listeners.append(lambda _stats: self.writer.wake())
+
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
+
+    def start(self) -> None:
+        """STARTING -> SERVING: the consumer group, a first heartbeat, this id's own pending
+        jobs recovered, then the threads."""
+        self.intake.ensure_group()
+        self.heartbeat.beat()
+        self.intake.recovery.reclaim_own()
+        self.lifecycle.move(State.SERVING)
+        self._spawn("intake", self.intake.read_loop)
+        self._spawn("prepare", self.intake.prepare_loop)
+        self._spawn("cancels", self.control.cancel_loop)
+        self._spawn("control", self.control.command_loop)
+        self._spawn("writer", self.writer.run)
+        self._spawn("heartbeat", self.heartbeat.run)
+        log.info("daemon %s serving model %r", self.daemon_id, self.model)
+
+    def stop(self, grace_s: float) -> None:
+        """DRAINING: stop taking jobs (unread ones stay in the stream for the next daemon),
+        let in-flight requests finish for ``grace_s``, then cancel the rest. STOPPING: the
+        threads end, every last event is written, the heartbeat key goes. STOPPED."""
+        if not self.lifecycle.move(State.DRAINING):
+            return  # stopping already
+        self._join("intake", "prepare")
+        self.core.stop(grace_s)
+        self.lifecycle.move(State.STOPPING)
+        self.writer.wake(force=True)
+        self._join("cancels", "control", "writer", "heartbeat")
+        self.writer.flush()
+        self.heartbeat.remove()
+        self.lifecycle.move(State.STOPPED)
+        log.info("daemon %s stopped", self.daemon_id)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether every thread that should run in this state still does (a thread that
+        died: ``run_scheduler`` shuts down)."""
+        ended_by_drain = () if self.lifecycle.taking_jobs else ("intake", "prepare")
+        return all(t.is_alive() for n, t in self._threads.items() if n not in ended_by_drain)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.heartbeat.snapshot()
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=f"daemon-{name}", daemon=True)
+        thread.start()
+        self._threads[name] = thread
+
+    def _join(self, *names: str) -> None:
+        for name in names:
+            thread = self._threads.get(name)
+            if thread is not None:
+                thread.join(timeout=THREAD_JOIN_S)

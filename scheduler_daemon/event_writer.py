@@ -1,0 +1,299 @@
+"""Events out: a buffer the scheduler fills, one Redis pipeline per flush, the request log.
+
+The scheduler thread hands every event to ``on_event`` (with its lock held: buffering
+only). The writer thread flushes when something is due: a request's ``accepted``, its
+first text and its end at once, later tokens ``stream_interval_s`` after the previous write
+(consecutive tokens of a request become one ``token`` event, ``n_tokens`` says how many).
+One flush writes everything buffered in one pipeline: the events, the stream TTLs, the
+XACK of finished jobs and the removal of their running record, and each finished request's
+usage (``protocol.record_usage``: tenant limits, ``inference/limits.py``) ahead of its
+terminal event. History rows are closed through the ``history`` sink *before* the terminal
+event goes out (a client that saw ``done`` finds its row final). If Redis fails, the
+events go back to the front of the buffer for the next flush.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from wire import protocol
+
+from .history import HistorySink, NoHistory
+from .lifecycle import Lifecycle
+from .state import Event, FinishedEvent, TokenEvent
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One event on its way to a request's stream."""
+
+    request_id: str
+    kind: str
+    data: dict[str, Any]
+    entry_id: str | None = None  # the job's entry in the jobs stream, acked with the terminal event
+
+
+@dataclass(slots=True)
+class _Buffer:
+    """Events waiting for the writer. Events of a request being submitted are held back
+    until its ``accepted`` (or refusal) is queued, so a stream always starts with it."""
+
+    items: list[Outgoing] = field(default_factory=list)
+    held: dict[str, list[Outgoing]] = field(default_factory=dict)
+    urgent: bool = False  # holds an event that must not wait for the stream interval
+
+
+class EventWriter:
+    """Buffers every request's events and writes them to Redis (``run`` is its thread)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        model: str,
+        daemon_id: str,
+        lifecycle: Lifecycle,
+        history: HistorySink | None = None,
+        stream_interval_s: float = 0.0,
+    ) -> None:
+        """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
+        most this often, several to one event. 0: every tick's tokens at the end of the tick."""
+        self.redis = client
+        self.model = model
+        self.daemon_id = daemon_id
+        self.lifecycle = lifecycle
+        self.history: HistorySink = history or NoHistory()
+        self.stream_interval_s = stream_interval_s
+        self.jobs_stream = protocol.jobs_stream(model)
+        self.running_key = protocol.running_key(daemon_id)
+        self._buffer = _Buffer()
+        self._cond = threading.Condition()
+        self._last_flush = 0.0
+        self._streaming: set[str] = set()  # requests whose first text has been buffered
+        self._entries: dict[str, str] = {}  # accepted request id -> its jobs-stream entry id
+        self._tenants: dict[str, str] = {}  # request id -> tenant id (usage, request log)
+
+    # -- from the intake (preparer thread) --------------------------------------------------
+
+    def track(self, request_id: str, tenant_id: str) -> None:
+        """Remember a request's tenant: its usage and its log line name it at the end."""
+        self._tenants[request_id] = tenant_id
+
+    def hold(self, request_id: str) -> None:
+        """Hold the request's events until ``accepted`` or ``release`` (it is being submitted)."""
+        with self._cond:
+            self._buffer.held[request_id] = []
+
+    def release(self, request_id: str) -> None:
+        """Drop what was held for a request that was not accepted after all."""
+        with self._cond:
+            self._buffer.held.pop(request_id, None)
+
+    def accepted(self, request_id: str, entry_id: str, prompt_tokens: int) -> None:
+        """Queue ``accepted``, then the events held since ``hold``; the job's entry is
+        acknowledged with its terminal event."""
+        data = {"daemon_id": self.daemon_id, "prompt_tokens": prompt_tokens, "model": self.model}
+        with self._cond:
+            held = self._buffer.held.pop(request_id, [])
+            ended = [item for item in held if item.kind in protocol.TERMINAL]
+            for item in ended:  # it ended while being submitted (a cancel, a tiny max_tokens)
+                item.entry_id = entry_id
+            if not ended:
+                self._entries[request_id] = entry_id
+            self._buffer.items.append(Outgoing(request_id, protocol.ACCEPTED, data))
+            self._buffer.items.extend(held)
+            self._buffer.urgent = True
+            self._cond.notify()
+
+    def terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
+        """Queue the end of a request the core never ran (a refusal, a recovery's verdict)."""
+        with self._cond:
+            self._buffer.items.append(Outgoing(request_id, kind, data, entry_id))
+            self._buffer.urgent = True
+            self._cond.notify()
+
+    # -- from the core (scheduler thread, its lock held) --------------------------------------
+
+    def on_event(self, event: Event) -> None:
+        """Core listener: buffer only."""
+        if isinstance(event, TokenEvent):
+            data = {"text": event.text, "n_tokens": event.n_tokens}
+            item = Outgoing(event.request_id, protocol.TOKEN, data)
+        else:
+            item = Outgoing(event.request_id, *finished_payload(event))
+        with self._cond:
+            held = self._buffer.held.get(event.request_id)
+            if held is not None:
+                held.append(item)
+                return
+            if item.kind == protocol.TOKEN and event.request_id not in self._streaming:
+                if item.data["text"]:  # the first text (TTFT) does not wait
+                    self._streaming.add(event.request_id)
+                    self._buffer.urgent = True
+            if item.kind in protocol.TERMINAL:
+                self._streaming.discard(event.request_id)
+                item.entry_id = self._entries.pop(event.request_id, None)
+                self._buffer.urgent = True
+            self._buffer.items.append(item)
+            if item.kind in protocol.TERMINAL:
+                self._cond.notify()
+
+    def wake(self, force: bool = False) -> None:
+        """After each tick: let the writer go if what it holds is due (or ``force``)."""
+        with self._cond:
+            if force or self._flush_wait_s() == 0.0:
+                self._cond.notify()
+
+    # -- the writer thread ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Flush whenever something is due, until the lifecycle reaches STOPPING."""
+        while self.lifecycle.running:
+            with self._cond:
+                wait = self._flush_wait_s()
+                if wait != 0.0:
+                    idle = protocol.HEARTBEAT_INTERVAL_S / 4
+                    self._cond.wait(timeout=idle if wait is None else min(wait, idle))
+                due = self._flush_wait_s() == 0.0
+            if not due:
+                continue
+            try:
+                self.flush()
+            except redis.RedisError:
+                log.exception("writing events to Redis failed; retrying")
+                time.sleep(0.5)
+            except Exception:  # a bug here must not stop every stream of this daemon
+                log.exception("the event writer failed; carrying on")
+                time.sleep(0.5)
+
+    def _flush_wait_s(self) -> float | None:
+        """How long buffered events may still wait (0: now); None when nothing is buffered.
+        Called with the condition held."""
+        if not self._buffer.items:
+            return None
+        if self._buffer.urgent:
+            return 0.0
+        return max(0.0, self._last_flush + self.stream_interval_s - time.monotonic())
+
+    def flush(self) -> None:
+        """Write everything buffered in one round trip (see the module docstring)."""
+        with self._cond:
+            items, self._buffer.items = self._buffer.items, []
+            self._buffer.urgent = False
+            if items:
+                self._last_flush = time.monotonic()
+        if not items:
+            return
+        items = coalesce(items)
+        ended: list[tuple[str, str, int]] = []  # (tenant id, request id, tokens used)
+        for item in items:
+            if item.kind in protocol.TERMINAL:
+                self.history.mark_finished(
+                    item.request_id,
+                    item.data.get("finish_reason", "error"),
+                    item.data.get("usage"),
+                    item.data.get("timings"),
+                    error_code=item.data.get("code", ""),
+                )
+                tenant_id = self._tenants.get(item.request_id)
+                if tenant_id is not None:
+                    ended.append((tenant_id, item.request_id, _total_tokens(item.data)))
+        pipe = self.redis.pipeline(transaction=False)
+        now = time.time()
+        for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
+            protocol.record_usage(pipe, tenant_id, request_id, total_tokens, now)
+        for item in items:
+            stream = protocol.events_stream(item.request_id)
+            pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
+            if item.kind == protocol.ACCEPTED:
+                pipe.expire(stream, protocol.EVENTS_TTL_S)
+            elif item.kind in protocol.TERMINAL:
+                pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
+                pipe.hdel(self.running_key, item.request_id)
+                if item.entry_id:
+                    pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            with self._cond:
+                self._buffer.items[:0] = items
+                self._buffer.urgent = True
+            raise
+        for item in items:
+            if item.kind == protocol.ACCEPTED:
+                self.history.mark_running(item.request_id, item.data["prompt_tokens"])
+            elif item.kind in protocol.TERMINAL:
+                self._log_end(item)
+
+    def _log_end(self, item: Outgoing) -> None:
+        usage = item.data.get("usage") or {}
+        timings = item.data.get("timings") or {}
+        line = {
+            "event": "request_end",
+            "request_id": item.request_id,
+            "tenant_id": self._tenants.pop(item.request_id, None),
+            "model": self.model,
+            "daemon_id": self.daemon_id,
+            "finish_reason": item.data.get("finish_reason", "error"),
+            "error_code": item.data.get("code"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "ttft_ms": timings.get("ttft_ms"),
+            "duration_ms": timings.get("duration_ms"),
+        }
+        request_log.info(json.dumps(line, separators=(",", ":")))
+
+
+def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
+    """(``done`` or ``error``, its data) for a request's last event."""
+    s = event.stats
+    data: dict[str, Any] = {
+        "finish_reason": event.finish_reason,
+        "stop": event.stop,
+        "usage": protocol.usage(s.prompt_tokens, s.cached_tokens, s.completion_tokens),
+        "timings": {
+            "queue_ms": s.queue_ms,
+            "ttft_ms": s.ttft_ms,
+            "duration_ms": s.duration_ms,
+            "prompt_eval_rate": s.prompt_eval_rate,
+            "generation_rate": s.generation_rate,
+        },
+    }
+    if event.error is not None:
+        return protocol.ERROR, {**data, **event.error}
+    return protocol.DONE, data
+
+
+def coalesce(items: list[Outgoing]) -> list[Outgoing]:
+    """Merge consecutive token events of one request (a slow writer sends fewer, larger ones)."""
+    out: list[Outgoing] = []
+    last_token: dict[str, Outgoing] = {}
+    for item in items:
+        prev = last_token.get(item.request_id)
+        if item.kind == protocol.TOKEN and prev is not None:
+            prev.data = {
+                "text": prev.data["text"] + item.data["text"],
+                "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"],
+            }
+            continue
+        out.append(item)
+        if item.kind == protocol.TOKEN:
+            last_token[item.request_id] = item
+        else:
+            last_token.pop(item.request_id, None)
+    return out
+
+
+def _total_tokens(data: dict[str, Any]) -> int:
+    usage = data.get("usage") or {}
+    return int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)

@@ -1,0 +1,99 @@
+"""The daemon's published state: a snapshot every second, with a TTL that says it is alive.
+
+``llm:daemon:<id>`` holds the snapshot JSON for ``HEARTBEAT_TTL_S`` (a missing key is a dead
+daemon: others reclaim its jobs), ``llm:daemons`` scores the id by its last beat. The web
+reads them for /v1/health, /v1/models, the admin and /metrics. Never any prompt text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+
+from wire import protocol
+
+from .core import InferenceCore
+from .lifecycle import Lifecycle, State
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Builds and publishes the snapshot (``run`` is its thread, until ``STOPPING``)."""
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        client: redis.Redis,
+        model: str,
+        daemon_id: str,
+        lifecycle: Lifecycle,
+        rejected: Counter[str],
+        config_info: dict[str, Any] | None = None,
+    ) -> None:
+        """``rejected``: the intake's count of jobs answered with an error before starting."""
+        self.core = core
+        self.redis = client
+        self.model = model
+        self.daemon_id = daemon_id
+        self.lifecycle = lifecycle
+        self.rejected = rejected
+        self.config_info = config_info or {}
+        self.started_at = time.time()
+        self.running_key = protocol.running_key(daemon_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state published for the admin, /v1/health and /metrics (no prompt text)."""
+        return {
+            "daemon_id": self.daemon_id,
+            "model": self.model,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "heartbeat_at": time.time(),
+            "config": self.config_info,
+            "state": self.lifecycle.state.name.lower(),
+            "draining": self.lifecycle.state is State.PAUSED,  # the operator's drain, in effect
+            "rejected": dict(self.rejected),
+            **self.core.snapshot(),
+        }
+
+    def beat(self) -> None:
+        """Publish the snapshot now; keep this daemon's running record alive."""
+        snap = self.snapshot()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(
+            protocol.daemon_key(self.daemon_id),
+            json.dumps(snap),
+            px=int(protocol.HEARTBEAT_TTL_S * 1000),
+        )
+        pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
+        pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
+        pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
+        pipe.execute()
+
+    def run(self) -> None:
+        while self.lifecycle.running:
+            try:
+                self.beat()
+            except redis.RedisError:
+                log.exception("publishing the heartbeat failed; retrying")
+            except Exception:  # a bug in a snapshot must not silence the daemon for good
+                log.exception("building the heartbeat failed; retrying")
+            self.lifecycle.wait_for({State.STOPPING, State.STOPPED}, protocol.HEARTBEAT_INTERVAL_S)
+
+    def remove(self) -> None:
+        """On the way out: this daemon is gone at once (no wait for the TTL)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(protocol.daemon_key(self.daemon_id))
+        pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+        pipe.execute()
+        if not self.redis.hlen(self.running_key):
+            self.redis.delete(self.running_key)

@@ -1,0 +1,267 @@
+"""Jobs in: read from the model's jobs stream, queued fairly per tenant, started one by one.
+
+Two threads:
+
+- the reader: ``XREADGROUP`` (blocking at most 0.5 s) into the prepare queue, at most
+  ``PREPARE_QUEUE_MAX`` jobs read ahead (the rest waits in Redis, where another daemon may
+  take it). It reads only while the lifecycle is ``SERVING`` (it moves ``PAUSING`` on to
+  ``PAUSED`` when its read returns), and every ``RECLAIM_INTERVAL_S`` it has dead daemons'
+  jobs recovered (``recovery.py``). A malformed entry is dropped, acknowledged, counted.
+- the preparer: takes the prepare queue round-robin by tenant (``fair_queue.FairQueue``: one
+  tenant's large prompts delay another's job by at most one of them), checks the durable
+  cancel flag and the quarantine, records the job as running here (``llm:running:<id>``)
+  *before* any native code sees it, reads the job's wire shape (``job_input``) and
+  enqueues it in the core (tokenizing, the token and queue caps, the grammar). Then
+  ``accepted``, or an ``error`` event with the HTTP ``status`` the web answers with. Any
+  failure while starting a job ends that job alone (``internal_error``); ``rejected``
+  counts these answers by code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+
+from wire import errors, protocol
+from wire.errors import Refusal
+
+from .core import InferenceCore
+from .event_writer import EventWriter
+from .fair_queue import FairQueue
+from .job_input import submit_arguments
+from .lifecycle import Lifecycle, State
+from .recovery import Recovery, as_text, quarantined_refusal
+
+log = logging.getLogger(__name__)
+
+RECLAIM_INTERVAL_S = 5.0
+INTAKE_BATCH = 16
+PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # jobs read but not yet started; more wait in Redis
+# Test-only fault hook (setting FAULT_INJECTION): a job whose prompt holds this text makes
+# the daemon abort the process at its first tick, like a native crash would.
+FAULT_MARKER = "__abort_the_daemon__"
+
+
+def job_fingerprint(job: protocol.Job) -> str:
+    """What makes a job the same request again, whoever sends it and under whatever id: the
+    quarantine's key (a poison request sent anew is still refused)."""
+    body = {
+        "kind": job.kind,
+        "model": job.model,
+        "prompt": job.prompt,
+        "messages": job.messages,
+        "params": job.params,
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class PrepareQueue:
+    """Jobs read but not started (entry id, job), fair across tenants; ``get`` blocks."""
+
+    def __init__(self) -> None:
+        self._jobs: FairQueue[str, tuple[str, protocol.Job]] = FairQueue()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, entry_id: str, job: protocol.Job) -> None:
+        with self._cond:
+            self._jobs.push(job.tenant_id, (entry_id, job))
+            self._cond.notify()
+
+    def get(self, timeout: float) -> tuple[str, protocol.Job] | None:
+        """The next tenant's oldest job; None after ``timeout`` with nothing queued."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._jobs), timeout)
+            taken = self._jobs.pop()
+            return taken[1] if taken is not None else None
+
+
+class Intake:
+    """Reads, queues and starts one model's jobs (``read_loop`` and ``prepare_loop``)."""
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        client: redis.Redis,
+        model: str,
+        daemon_id: str,
+        lifecycle: Lifecycle,
+        writer: EventWriter,
+        fault_injection: bool = False,
+    ) -> None:
+        self.core = core
+        self.redis = client
+        self.daemon_id = daemon_id
+        self.lifecycle = lifecycle
+        self.writer = writer
+        self.fault_injection = fault_injection
+        self.jobs_stream = protocol.jobs_stream(model)
+        self.running_key = protocol.running_key(daemon_id)
+        self.prepare = PrepareQueue()
+        self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
+        self.recovery = Recovery(
+            client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
+        )
+        self._last_reclaim = time.monotonic()
+
+    def ensure_group(self) -> None:
+        """Create the jobs stream's consumer group if it is not there."""
+        try:
+            self.redis.xgroup_create(self.jobs_stream, protocol.JOBS_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def read_loop(self) -> None:
+        while self.lifecycle.taking_jobs:
+            self._reclaim_when_due()
+            state = self.lifecycle.state
+            if state is State.PAUSING:
+                self.lifecycle.move(State.PAUSED)  # no read is under way any more
+            if state is not State.SERVING:
+                self.lifecycle.wait_for({State.SERVING, State.DRAINING}, timeout=0.5)
+                continue
+            room = PREPARE_QUEUE_MAX - len(self.prepare)
+            if room <= 0:  # the rest waits in Redis, where another daemon may take it
+                time.sleep(0.02)
+                continue
+            for entry_id, fields in self._read(min(INTAKE_BATCH, room)):
+                if not self.lifecycle.taking_jobs:
+                    return  # unread by us: reclaimed by the next daemon once we are gone
+                try:
+                    self._take(as_text(entry_id), fields)
+                except Exception:  # never let one entry stop the intake
+                    log.exception("could not take job entry %s", entry_id)
+
+    def _read(self, count: int) -> list[tuple[Any, Any]]:
+        try:
+            reply = self.redis.xreadgroup(
+                protocol.JOBS_GROUP,
+                self.daemon_id,
+                {self.jobs_stream: ">"},
+                count=count,
+                block=500,
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                log.exception("reading jobs failed; retrying in 1 s")
+                time.sleep(1)
+                return []
+            log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
+            self.ensure_group()
+            return []
+        except redis.RedisError:
+            log.exception("reading jobs failed; retrying in 1 s")
+            time.sleep(1)
+            return []
+        return [entry for _stream, entries in reply or [] for entry in entries]
+
+    def _reclaim_when_due(self) -> None:
+        if time.monotonic() - self._last_reclaim < RECLAIM_INTERVAL_S:
+            return
+        self._last_reclaim = time.monotonic()
+        try:
+            self.recovery.reclaim_dead()
+        except Exception:  # Redis away, a bug: try again next interval, keep reading
+            log.exception("reclaiming dead daemons' jobs failed")
+
+    def _take(self, entry_id: str, fields: dict[Any, Any]) -> None:
+        """Queue a read job for the preparer (a malformed entry is dropped and counted)."""
+        try:
+            job = protocol.Job.decode(fields)
+            if not isinstance(job.id, str) or not isinstance(job.tenant_id, str):
+                raise TypeError("job id and tenant id must be strings")
+        except Exception:
+            log.error("dropping malformed job entry %s", entry_id)
+            self.rejected["malformed"] += 1
+            self.ack_quietly(entry_id)
+            return
+        self.prepare.put(entry_id, job)
+
+    # -- the preparer thread ------------------------------------------------------------------
+
+    def prepare_loop(self) -> None:
+        while self.lifecycle.taking_jobs:
+            item = self.prepare.get(timeout=0.5)
+            if item is not None:
+                self.start_job_safely(*item)
+
+    def start_job_safely(self, entry_id: str, job: protocol.Job) -> None:
+        """Start one job; any failure ends that job alone with an error event."""
+        try:
+            self._start_job(entry_id, job)
+        except Exception:
+            log.exception("starting job %s failed; it ends with an error, alone", job.id)
+            self.writer.release(job.id)
+            self.rejected[errors.INTERNAL_ERROR] += 1
+            data = {
+                "code": errors.INTERNAL_ERROR,
+                "message": "The server could not start this request.",
+                "status": errors.status_of(errors.INTERNAL_ERROR),
+            }
+            self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
+
+    def _start_job(self, entry_id: str, job: protocol.Job) -> None:
+        self.writer.track(job.id, job.tenant_id)
+        fingerprint = job_fingerprint(job)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(protocol.cancel_key(job.id))
+        pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
+        # Before any native code sees the job: if it kills this daemon, the next one knows
+        # the job was running here (recovery.py). Its terminal event removes the record.
+        pipe.hset(self.running_key, job.id, fingerprint)
+        cancelled, quarantined, _ = pipe.execute()
+        if cancelled:
+            self.writer.terminal(job.id, entry_id, protocol.DONE, cancelled_before_start())
+            return
+        if quarantined:
+            self.refuse(job.id, entry_id, quarantined_refusal())
+            return
+        self.writer.hold(job.id)
+        if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
+            self.core.abort_process_when_running(job.id)  # test-only: before its first tick
+        try:
+            prompt_tokens = self.core.enqueue(**submit_arguments(job))
+        except Refusal as refusal:
+            self.writer.release(job.id)
+            self.refuse(job.id, entry_id, refusal)
+            return
+        self.writer.accepted(job.id, entry_id, prompt_tokens)
+        try:
+            if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while submitting
+                self.core.cancel(job.id)
+        except redis.RedisError:
+            log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def refuse(self, request_id: str, entry_id: str, refusal: Refusal) -> None:
+        """Answer a job the daemon will not run with its error event (and count it)."""
+        self.rejected[refusal.code] += 1
+        data = {**refusal.as_dict(), "status": errors.status_of(refusal.code)}
+        self.writer.terminal(request_id, entry_id, protocol.ERROR, data)
+
+    def ack_quietly(self, entry_id: str) -> None:
+        try:
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        except redis.RedisError:
+            log.warning("could not acknowledge job entry %s", entry_id)
+
+
+def cancelled_before_start() -> dict[str, Any]:
+    return {
+        "finish_reason": "cancelled",
+        "stop": None,
+        "usage": protocol.usage(0, 0, 0),
+        "timings": {},
+    }

@@ -1,0 +1,76 @@
+"""A wire job (``wire.protocol.Job``) as the core's arguments: the daemon trusts the shape.
+
+The web validated the request before queueing it (``inference/openai_request.py``: every
+sampling field through ``SamplingParams.from_dict``, messages through
+``wire.messages.parse_messages``, sizes) and sends what it validated. The daemon does not
+validate again; it re-checks only the wire shape, cheaply, so that a job written by
+something else (a rogue writer, a bug, an old web) is refused with the field's name
+instead of crashing a thread:
+
+- the scalar fields have their wire types (``cache_scope`` and ``session`` strings,
+  ``cache_prompt`` a bool, ``max_queued`` a non-negative int);
+- the sampling fields go through ``SamplingParams.from_dict`` except the grammar and the
+  JSON schema, whose bounds are checked once, where they are compiled
+  (``engine.LlamaEngine.grammar_for``); here they only have to be a string (a schema: or
+  an object);
+- messages and prompts are checked where they are measured and tokenized (``core``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from wire import protocol
+from wire.errors import InvalidParameter
+from wire.sampling import SamplingParams
+
+COMPILED_FIELDS = ("grammar", "json_schema")  # bounded by the engine when it compiles them
+KINDS = ("completion", "chat")
+
+
+def submit_arguments(job: protocol.Job) -> dict[str, Any]:
+    """Keyword arguments for ``InferenceCore.enqueue``; ``InvalidParameter`` names a field
+    whose wire shape is wrong."""
+    if job.kind not in KINDS:
+        raise InvalidParameter("kind", f"must be one of {list(KINDS)}")
+    _check_type("cache_scope", job.cache_scope, str)
+    _check_type("session", job.session, str, optional=True)
+    _check_type("cache_prompt", job.cache_prompt, bool, optional=True)
+    max_queued = job.max_queued
+    if max_queued is not None and (type(max_queued) is not int or max_queued < 0):
+        raise InvalidParameter("max_queued", "must be a non-negative integer")
+    return {
+        "prompt": job.prompt if job.kind == "completion" else None,
+        "messages": job.messages if job.kind == "chat" else None,
+        "params": sampling_params(job.params),
+        "request_id": job.id,
+        "cache_scope": job.cache_scope,
+        "session": job.session,
+        "cache_prompt": job.cache_prompt,
+        "max_queued": max_queued,
+    }
+
+
+def sampling_params(raw: Any) -> SamplingParams:
+    """The job's ``params`` (the sampling fields as the client sent them, aliases resolved)."""
+    if not isinstance(raw, dict):
+        raise InvalidParameter("params", "must be an object")
+    params = SamplingParams.from_dict({k: v for k, v in raw.items() if k not in COMPILED_FIELDS})
+    grammar, schema = raw.get("grammar"), raw.get("json_schema")
+    _check_type("grammar", grammar, str, optional=True)
+    if isinstance(schema, dict):
+        try:
+            schema = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        except (ValueError, RecursionError):
+            raise InvalidParameter("json_schema", "is not a JSON object") from None
+    _check_type("json_schema", schema, str, optional=True)
+    return dataclasses.replace(params, grammar=grammar, json_schema=schema)
+
+
+def _check_type(field: str, value: Any, kind: type, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if type(value) is not kind:
+        raise InvalidParameter(field, f"must be a {kind.__name__}")

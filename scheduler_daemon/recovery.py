@@ -1,0 +1,192 @@
+"""Dead daemons' jobs: reclaimed, served again, ended, or quarantined.
+
+A daemon that dies (a native crash kills the process; Python cannot catch it) leaves its
+read jobs pending in the consumer group. They are recovered by a restarted daemon under
+the same id at start (``reclaim_own``) and by every daemon, every few seconds, for
+consumers whose heartbeat key is gone (``reclaim_dead``):
+
+- a job whose stream already ended is acknowledged;
+- a job that was *running* there (in ``llm:running:<id>``) adds a death to its
+  fingerprint; at ``QUARANTINE_AFTER_DEATHS`` it is quarantined: ``llm:quarantine``
+  records the fingerprint, the request ends with ``request_quarantined`` (400), and any
+  later job with that fingerprint is refused before it reaches the engine;
+- a job that had streamed no text is served again (back into the prepare queue);
+- one that had streamed text ends with ``inference_interrupted``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from wire import protocol
+from wire.errors import Refusal
+
+from .event_writer import EventWriter
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never run again
+
+
+class Recovery:
+    """Recovers the pending jobs of dead consumers of one jobs stream."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        jobs_stream: str,
+        daemon_id: str,
+        writer: EventWriter,
+        requeue: Callable[[str, protocol.Job], None],
+        refuse: Callable[[str, str, Refusal], None],
+    ) -> None:
+        """``requeue``: serve a job again here (the prepare queue); ``refuse``: end a job with
+        a refusal (counted as rejected)."""
+        self.redis = client
+        self.jobs_stream = jobs_stream
+        self.daemon_id = daemon_id
+        self.writer = writer
+        self.requeue = requeue
+        self.refuse = refuse
+
+    def reclaim_dead(self) -> int:
+        """Take over the pending jobs of consumers whose daemon is gone; returns how many."""
+        reclaimed = 0
+        try:
+            consumers = self.redis.xinfo_consumers(self.jobs_stream, protocol.JOBS_GROUP)
+        except redis.ResponseError:
+            return 0
+        for consumer in consumers:
+            name = as_text(consumer["name"])
+            if name == self.daemon_id or self.redis.exists(protocol.daemon_key(name)):
+                continue
+            pending = self.redis.xpending_range(
+                self.jobs_stream, protocol.JOBS_GROUP, "-", "+", count=1000, consumername=name
+            )
+            ids = [p["message_id"] for p in pending]
+            claimed = (
+                self.redis.xclaim(
+                    self.jobs_stream,
+                    protocol.JOBS_GROUP,
+                    self.daemon_id,
+                    min_idle_time=0,
+                    message_ids=ids,
+                )
+                if ids
+                else []
+            )
+            reclaimed += self._recover_all(claimed, name)
+            self.redis.xgroup_delconsumer(self.jobs_stream, protocol.JOBS_GROUP, name)
+            log.warning("reclaimed %d pending jobs of dead daemon %s", len(claimed), name)
+        return reclaimed
+
+    def reclaim_own(self) -> int:
+        """At start: entries still pending under this daemon id were read by an earlier run of
+        it (restarted by its supervisor under the same id): recover them like a dead daemon's."""
+        pending = self.redis.xpending_range(
+            self.jobs_stream, protocol.JOBS_GROUP, "-", "+", count=1000,
+            consumername=self.daemon_id,
+        )
+        entries: list[tuple[Any, Any]] = []
+        for p in pending:
+            found = self.redis.xrange(self.jobs_stream, p["message_id"], p["message_id"])
+            entries.append(found[0] if found else (p["message_id"], {}))  # {}: trimmed away
+        if entries:
+            log.warning("recovering %d jobs of this daemon's previous run", len(entries))
+        return self._recover_all(entries, self.daemon_id)
+
+    def _recover_all(self, claimed: list[tuple[Any, Any]], dead: str) -> int:
+        """Recover each claimed entry of the daemon ``dead``; its running record goes after."""
+        running_key = protocol.running_key(dead)
+        started = {as_text(k): as_text(v) for k, v in self.redis.hgetall(running_key).items()}
+        for entry_id, fields in claimed:
+            if not fields:  # the entry was trimmed away: nothing left to serve
+                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+                continue
+            try:
+                self._recover(as_text(entry_id), fields, dead, started)
+            except redis.RedisError:
+                raise
+            except Exception:
+                log.exception("recovering job entry %s failed; dropping it", entry_id)
+                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        self.redis.delete(running_key)
+        return len(claimed)
+
+    def _recover(
+        self, entry_id: str, fields: dict[Any, Any], dead: str, started: dict[str, str]
+    ) -> None:
+        """One job a dead daemon had read (see the module docstring)."""
+        job = protocol.Job.decode(fields)
+        stream = protocol.events_stream(job.id)
+        kinds = [protocol.decode_event(f)[0] for _, f in self.redis.xrange(stream)]
+        if any(k in protocol.TERMINAL for k in kinds):
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            return
+        fingerprint = started.get(job.id)
+        if fingerprint is not None:
+            deaths = self._count_death(fingerprint)
+            log.warning("job %s was running when daemon %s died (%d deaths)", job.id, dead, deaths)
+            if deaths >= QUARANTINE_AFTER_DEATHS:
+                self._quarantine(entry_id, job, fingerprint, dead, deaths)
+                return
+        if protocol.TOKEN not in kinds:
+            self.requeue(entry_id, job)
+            return
+        if self.redis.set(
+            protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S
+        ):
+            self.writer.track(job.id, job.tenant_id)
+            data = {
+                "code": protocol.INFERENCE_INTERRUPTED,
+                "message": f"the scheduler daemon {dead} stopped while serving this request",
+            }
+            self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
+        else:
+            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+
+    def _count_death(self, fingerprint: str) -> int:
+        key = protocol.deaths_key(fingerprint)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, protocol.DEATHS_TTL_S)
+        return int(pipe.execute()[0])
+
+    def _quarantine(
+        self, entry_id: str, job: protocol.Job, fingerprint: str, dead: str, deaths: int
+    ) -> None:
+        """Record the job's fingerprint as poison (the admin lists and releases them) and end
+        it with ``request_quarantined``."""
+        record = {
+            "request_id": job.id,
+            "tenant_id": job.tenant_id,
+            "model": job.model,
+            "kind": job.kind,
+            "deaths": deaths,
+            "last_daemon": dead,
+            "at": time.time(),
+        }
+        self.redis.hset(protocol.QUARANTINE_HASH, fingerprint, json.dumps(record))
+        log.error("quarantined request %s (tenant %s): %d daemon deaths", job.id, job.tenant_id,
+                  deaths)
+        self.writer.track(job.id, job.tenant_id)
+        self.refuse(job.id, entry_id, quarantined_refusal())
+
+
+def quarantined_refusal() -> Refusal:
+    return Refusal(
+        protocol.REQUEST_QUARANTINED,
+        "This request was running each time a scheduler daemon crashed; it will not be run "
+        "again.",
+    )
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply's bytes as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
