@@ -90,7 +90,7 @@ class FairQueue(Generic[K, T]):
         return any(entry[1] is item for queue in self._queues.values() for entry in queue)
 
     def _remove(self, key: K, item: T) -> None:
-        queue = self._queues[key]
+        queue = self._queues.get(key, ())
         for i, (_, queued) in enumerate(queue):
             if queued is item:  # by identity: two items may be equal
                 del queue[i]

@@ -35,6 +35,9 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
     whose wire shape is wrong."""
     if job.kind not in KINDS:
         raise InvalidParameter("kind", f"must be one of {list(KINDS)}")
+    chat = job.kind == "chat"
+    if (job.messages if chat else job.prompt) is None:
+        raise InvalidParameter("messages" if chat else "prompt", f"a {job.kind} job needs it")
     _check_type("cache_scope", job.cache_scope, str)
     _check_type("session", job.session, str, optional=True)
     _check_type("cache_prompt", job.cache_prompt, bool, optional=True)
@@ -42,8 +45,8 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
     if max_queued is not None and (type(max_queued) is not int or max_queued < 0):
         raise InvalidParameter("max_queued", "must be a non-negative integer")
     return {
-        "prompt": job.prompt if job.kind == "completion" else None,
-        "messages": job.messages if job.kind == "chat" else None,
+        "prompt": None if chat else job.prompt,
+        "messages": job.messages if chat else None,
         "params": sampling_params(job.params),
         "request_id": job.id,
         "cache_scope": job.cache_scope,

@@ -95,7 +95,7 @@ class SchedulerConfig:
     session_max_bypass: int = 4  # session requests that may go ahead of one queue head
     # Fair shares between cache scopes (tenants). KV_TENANT_SHARE: the most of the KV block
     # budget one scope's running requests may reserve (so one request's reservation can never
-    # lock the other tenants out); MAX_QUEUE_PER_TENANT: waiting jobs one scope may hold
+    # lock the other tenants out); MAX_QUEUE_PER_TENANT: waiting requests one scope may hold
     # (a request may carry its tenant's own cap). None: no cap.
     kv_scope_share: float = 1.0
     max_queue_per_scope: int | None = None
@@ -432,7 +432,7 @@ class Scheduler:
 
     def _admit(self) -> list[str]:
         """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the
-        oldest req of the scope whose turn it is; it waits for blocks and a slot and nobody
+        oldest request of the scope whose turn it is; it waits for blocks and a slot and nobody
         overtakes it, except a session's request onto its own free slot, at most
         ``session_max_bypass`` times per head. One scope's burst delays another scope's next
         request by at most one admission per other scope with waiting work. Returns the ids
@@ -457,7 +457,7 @@ class Scheduler:
         return admitted
 
     def _assign_or_fail(self, req: RequestState, slot: Slot) -> None:
-        """``_assign``; a failure there (restoring a cached prefix...) fails this req alone
+        """``_assign``; a failure there (restoring a cached prefix...) fails this request alone
         and leaves the slot empty."""
         try:
             self._assign(req, slot)
@@ -470,7 +470,7 @@ class Scheduler:
             self._drop(req, error)
 
     def _head(self) -> RequestState | None:
-        """The oldest waiting req of the first scope in turn order whose running requests
+        """The oldest waiting request of the first scope in turn order whose running requests
         leave room for it within the scope's KV share (None: no such scope)."""
         held = self._scope_held()
         for scope, req in self._waiting.heads():
@@ -662,7 +662,7 @@ class Scheduler:
             return True
 
     def _drop(self, req: RequestState, error: dict[str, Any]) -> None:
-        """The last resort when ``_finish`` itself failed: forget the req, free what it
+        """The last resort when ``_finish`` itself failed: forget the request, free what it
         held, still send its end (no text tail: decoding it is what may have failed)."""
         self._requests.pop(req.id, None)
         if req.slot is None and req in self._waiting:

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from scheduler_daemon.chat import message_pairs
 from scheduler_daemon.control import Control
 from scheduler_daemon.event_writer import EventWriter
 from scheduler_daemon.intake import Intake, job_fingerprint
@@ -34,6 +35,8 @@ def job(**fields) -> protocol.Job:
 def test_the_daemon_checks_the_wire_shape_and_names_the_field():
     cases = {
         "kind": job(kind="poem", prompt="x"),
+        "messages": job(kind="chat", prompt="x"),
+        "prompt": job(messages=[{"role": "user", "content": "hi"}]),
         "max_queued": job(prompt="x", max_queued="many"),
         "cache_scope": job(prompt="x", cache_scope=7),
         "session": job(prompt="x", session=["s"]),
@@ -46,6 +49,20 @@ def test_the_daemon_checks_the_wire_shape_and_names_the_field():
     for field, bad in cases.items():
         with pytest.raises(InvalidParameter) as refused:
             submit_arguments(bad)
+        assert refused.value.param == field
+
+
+def test_messages_must_have_the_shape_the_web_sends():
+    assert message_pairs([{"role": "user", "content": "hi"}]) == [("user", "hi")]
+    bad = {
+        "messages": [],
+        "messages[0].role": [{"role": "wizard", "content": "hi"}],
+        "messages[1].content": [{"role": "user", "content": "hi"},
+                                {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }
+    for field, messages in bad.items():
+        with pytest.raises(InvalidParameter) as refused:
+            message_pairs(messages)
         assert refused.value.param == field
 
 

@@ -9,10 +9,8 @@ import pytest
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine_api import GrammarEnded, RowFailed
-from scheduler_daemon.intake import job_fingerprint
 from scheduler_daemon.scheduler import SchedulerConfig
 from scheduler_daemon.state import Request
-from wire import protocol
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
@@ -241,17 +239,3 @@ def test_a_request_cancelled_while_waiting_is_billed_nothing(harness):
     assert h.finished("a1").finish_reason == "cancelled"
     assert stats.prompt_tokens == 0 and stats.completion_tokens == 0
     assert h.finished("a0").stats.prompt_tokens == 8
-
-
-def test_a_fingerprint_ignores_ids_and_tenants_but_not_the_request():
-    one, two = _job("x", "A"), _job("y", "B")
-    assert job_fingerprint(one) == job_fingerprint(two)
-    two.params = {"max_tokens": 5}
-    assert job_fingerprint(one) != job_fingerprint(two)
-
-
-def _job(request_id: str, tenant: str) -> protocol.Job:
-    return protocol.Job(
-        id=request_id, kind="completion", model="m", tenant_id=tenant, cache_scope=tenant,
-        prompt="hello",
-    )

@@ -111,8 +111,8 @@ def test_the_prepare_queue_takes_tenants_in_turn():
 def test_the_prepare_queue_wakes_a_waiting_reader():
     queue = PrepareQueue()
     got = []
-    reader = threading.Thread(target=lambda: got.append(queue.get(timeout=30)))
+    reader = threading.Thread(target=lambda: got.append(queue.get(timeout=3600)), daemon=True)
     reader.start()
     queue.put("1-0", _job("x", "A"))
-    reader.join(30)
+    reader.join(60)  # a hang guard: woken by the put, not by its hour-long timeout
     assert got and got[0][1].id == "x"
