@@ -22,8 +22,7 @@ from django.conf import settings
 
 from accounts.models import ApiKey, Tenant
 from inference import broker
-from inference.api_errors import ApiError
-from wire import errors
+from inference.errors import ApiError
 from wire import limits as wire_limits
 from wire.limits import (  # noqa: F401  (re-exported: what the web's callers name)
     BUDGET_EXCEEDED,
@@ -155,8 +154,8 @@ def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0) -> A
     ``Retry-After`` header, and ``retry_after_s`` in the body for websocket clients)."""
     message, param = _explain(refused, limits, reserve)
     retry = refused.retry_after_s
-    return ApiError(errors.status_of(refused.code), message, refused.code, param,
-                    headers={"Retry-After": str(retry)}, retry_after_s=retry)
+    return ApiError(refused.code, message, param, headers={"Retry-After": str(retry)},
+                    retry_after_s=retry)
 
 
 def _explain(refused: wire_limits.Refused, limits: Limits,

@@ -14,7 +14,7 @@ import pytest
 
 from accounts.models import Tenant
 from inference import limits
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from wire import errors
 from wire import limits as wire_limits
 

@@ -14,7 +14,7 @@ from channels.db import database_sync_to_async
 
 from accounts.models import ApiKey, Tenant
 from inference import limits, service
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from tests.live_service import StandIn
 from wire import limits as wire_limits

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from inference import limits
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from wire import errors
 from wire import limits as wire_limits
 
@@ -137,9 +137,10 @@ def test_tpm_retry_after_is_when_it_would_be_admitted(redis_client):
 
 def test_the_refusal_names_the_limit_that_keeps_the_request_out_longest():
     t = tenant_id()
-    lim = limits.Limits(requests_per_minute=1, max_concurrent=1)
-    assert admit(t, lim, MINUTE_END) is None
-    refused = admit(t, lim, MINUTE_END + 5)  # both over: one slot busy (1 s), rpm (56 s)
+    lim = limits.Limits(requests_per_minute=1, max_concurrent=1, monthly_token_budget=100)
+    assert admit(t, lim, MINUTE_END, reserve=60) is None  # in flight, holding 60 tokens
+    # all over: the budget held by it (1 s), its slot (1 s), requests per minute (56 s)
+    refused = admit(t, lim, MINUTE_END + 5, reserve=60)
     assert code(refused) == "rpm_exceeded" and _retry(refused) == 56
 
 
