@@ -32,9 +32,6 @@ from wire.limits import (  # noqa: F401  (re-exported: what the web's callers na
     Limits,
 )
 
-# No longer a tenant-limit refusal (rpm_exceeded / tpm_exceeded replaced it); kept only
-# until inference/metrics.py lists REFUSAL_CODES.
-RATE_LIMITED = "rate_limited"
 log = logging.getLogger(__name__)
 
 # The prompt estimate's allowance for what a chat template adds around each message

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from wire import protocol
+from wire import limits, protocol
 
 from .history import HistorySink, NoHistory
 from .lifecycle import Lifecycle
@@ -210,7 +210,7 @@ class EventWriter:
         pipe = self.redis.pipeline(transaction=False)
         now = time.time()
         for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
-            protocol.record_usage(pipe, tenant_id, request_id, total_tokens, now)
+            limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)
         for item in items:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))

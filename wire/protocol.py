@@ -183,10 +183,3 @@ def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dic
 
 # Tenant limits and usage (their keys, the admission script, the end-of-request accounting
 # the daemon queues): wire/limits.py.
-
-
-def record_usage(pipe: Any, tenant_id: str, request_id: str, total_tokens: int, now: float) -> None:
-    """TEMPORARY: ``wire.limits.record_usage`` until the daemon's writer calls it there."""
-    from . import limits
-
-    limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)
