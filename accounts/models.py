@@ -2,6 +2,7 @@ import hashlib
 import hmac
 import secrets
 import string
+import time
 from datetime import timedelta
 
 from django.conf import settings
@@ -91,12 +92,23 @@ class ApiKey(models.Model):
 
     objects = ApiKeyQuerySet.as_manager()
 
+    # When this instance (and a tenant loaded with it) was read from the database, in
+    # time.monotonic() seconds; None for one never loaded. inference/limits.py trusts the
+    # tenant limits of a key loaded this second (a REST request loads its key each time).
+    loaded_at: float | None = None
+
     class Meta:
         ordering = ["-created"]
         verbose_name = "API key"
 
     def __str__(self) -> str:
         return f"{KEY_START}{self.prefix}… ({self.name})"
+
+    @classmethod
+    def from_db(cls, db: str | None, field_names: list[str], values: list) -> "ApiKey":
+        instance = super().from_db(db, field_names, values)
+        instance.loaded_at = time.monotonic()
+        return instance
 
     @classmethod
     def issue(cls, tenant: Tenant, name: str = "default") -> tuple["ApiKey", str]:

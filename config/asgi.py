@@ -1,13 +1,13 @@
 """ASGI entry point for daphne: `daphne config.asgi:application`.
 
-HTTP goes to Django (static files too, when SERVE_STATIC; the /v1/ API to a handler with
-lean middleware, config/middleware.py); websockets to the Channels
-consumers, authenticated by API key (no Origin check: keys, not cookies, carry identity).
+HTTP goes to Django (static files too, when SERVE_STATIC; the /v1/ API runs a lean share
+of the middleware, config/middleware.py); websockets to the Channels consumers,
+authenticated by API key (no Origin check: keys, not cookies, carry identity).
 
 The root path (Django's script name) is ``settings.ROOT_PATH``, not what daphne puts in the
 scope: daphne takes it from a client's ``Daphne-Root-Path`` header, which would let any
 client move the line between the API and the site (``/v1/admin/`` with root path ``/v1``
-reached the admin through the API's handler). ``TRUST_ROOT_PATH_HEADER`` keeps daphne's
+reached the admin through the API's middleware). ``TRUST_ROOT_PATH_HEADER`` keeps daphne's
 value, for a proxy that sets the header itself.
 """
 
@@ -23,19 +23,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from config.middleware import API_PREFIX, ApiHandler  # noqa: E402
 from inference.auth import ApiKeyAuthMiddleware  # noqa: E402
 from inference.routing import websocket_urlpatterns  # noqa: E402
 
-site_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
-api_app = ApiHandler()  # /v1/: keys, not sessions; lean middleware (config/middleware.py)
-
-
-async def http_app(scope: dict, receive: Any, send: Any) -> None:
-    """The API's URLs to the lean handler, the rest (admin, pages, static) to Django's."""
-    path = scope["path"].removeprefix(scope.get("root_path", ""))
-    app = api_app if path.startswith(API_PREFIX) else site_app
-    await app(scope, receive, send)
+http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
 
 
 class TrustedRootPath:

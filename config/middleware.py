@@ -1,154 +1,112 @@
-"""Middleware without thread hops, and the lean handler the key-authenticated API runs on.
+"""The one entry of ``MIDDLEWARE``: the site's middleware, of which the API runs a lean share.
 
-Under ASGI, Django runs every hook of a ``MiddlewareMixin`` middleware on a thread
-(``sync_to_async``): Django's seven default middlewares cost ~13 thread hops per request,
-and the first one starts a thread for the request. On a 2-core machine that CPU comes out of
-llama.cpp's share (bench/web_cpu.py measures it).
+Outside ``settings.API_PREFIX`` (admin, playground) ``SiteOrApiMiddleware`` runs
+``settings.SITE_MIDDLEWARE`` (Django's defaults) through their public protocol: each is
+instantiated with the next as ``get_response`` and called, and their ``process_view`` hooks
+(CSRF's) run for the view, as Django would run them.
 
-- ``SecurityMiddleware``, ``CommonMiddleware``, ``XFrameOptionsMiddleware``: Django's, with
-  their hooks run on the event loop (they do no I/O). Used everywhere.
-- ``ApiHandler``: Django's ASGI handler with ``settings.API_MIDDLEWARE`` (async-capable
-  middleware only) instead of ``MIDDLEWARE``. config/asgi.py routes ``API_PREFIX`` to it.
-  The API authenticates by key, so sessions, CSRF, ``request.user`` and messages have
-  nothing to do there; the security headers are the same as the site's. Its async views
-  (completions, chat, the events stream) do every database call on inference/db.py's
-  thread, so for them it also skips Django's per-request thread (see ``_handle_on_loop``);
-  its sync views (DRF: history, health, models, usage) are handled as Django does.
+Under the prefix (the API: keys, not sessions) sessions, CSRF, users and messages have
+nothing to do. Only ``settings.API_MIDDLEWARE`` runs there (security headers, Host and
+Content-Length, X-Frame-Options: the same headers as the site), and since those three do
+no I/O, their ``process_request``/``process_response`` hooks are called here, on the event
+loop, in the order ``MiddlewareMixin`` calls them. Django's ASGI handler would run each hook
+on a thread: five thread hops per API request, ~1 ms of CPU on the 2-core CI machine
+(bench/web_cpu.py), taken from llama.cpp's threads.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.core import signals
-from django.core.exceptions import ImproperlyConfigured, RequestAborted
-from django.core.handlers.asgi import ASGIHandler, get_script_prefix
-from django.core.handlers.exception import convert_exception_to_response
+from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
-from django.middleware import clickjacking, common, security
-from django.urls import Resolver404, get_resolver, set_script_prefix
 from django.utils.module_loading import import_string
 
-API_PREFIX = "/v1/"  # every URL under it authenticates by API key (inference/urls.py)
+from inference.errors import is_api
+
+Handler = Callable[[HttpRequest], Any]
+UNSUPPORTED_HOOKS = ("process_exception", "process_template_response")
 
 
-class InlineHooks:
-    """For a ``MiddlewareMixin`` whose ``process_request``/``process_response`` do no I/O:
-    under ASGI, run them on the event loop instead of on a thread."""
+class SiteOrApiMiddleware:
+    """``SITE_MIDDLEWARE`` for the site, ``API_MIDDLEWARE``'s hooks for the API."""
 
-    get_response: Any
+    sync_capable = True
+    async_capable = True
 
-    async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
-        response = None
-        if hasattr(self, "process_request"):
-            response = self.process_request(request)
-        response = response or await self.get_response(request)
-        if hasattr(self, "process_response"):
-            response = self.process_response(request, response)
+    def __init__(self, get_response: Handler) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        self.site = get_response
+        site_middleware = []
+        for path in reversed(settings.SITE_MIDDLEWARE):
+            middleware = import_string(path)(self.site)
+            _refuse_unsupported_hooks(path, middleware)
+            site_middleware.insert(0, middleware)
+            self.site = middleware
+        self.view_hooks = [m.process_view for m in site_middleware
+                           if hasattr(m, "process_view")]
+        self.api = [import_string(path)(get_response) for path in settings.API_MIDDLEWARE]
+        for path, middleware in zip(settings.API_MIDDLEWARE, self.api, strict=True):
+            _refuse_unsupported_hooks(path, middleware)
+            if hasattr(middleware, "process_view"):
+                raise ImproperlyConfigured(f"API_MIDDLEWARE holds {path}, which has view hooks")
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
+        if self.is_async:
+            return self._acall(request)
+        if not is_api(request):
+            return self.site(request)
+        early, ran = self._api_requests(request)
+        response = self.get_response(request) if early is None else early
+        return self._api_responses(request, response, ran)
+
+    async def _acall(self, request: HttpRequest) -> HttpResponseBase:
+        if not is_api(request):
+            return await self.site(request)
+        early, ran = self._api_requests(request)
+        response = await self.get_response(request) if early is None else early
+        return self._api_responses(request, response, ran)
+
+    async def process_view(self, request: HttpRequest, view: Handler, args: tuple,
+                           kwargs: dict[str, Any]) -> HttpResponseBase | None:
+        """The site middleware's view hooks (CSRF's check); none for the API."""
+        if is_api(request):
+            return None
+        for hook in self.view_hooks:
+            response = await sync_to_async(hook)(request, view, args, kwargs)
+            if response is not None:
+                return response
+        return None
+
+    def _api_requests(self, request: HttpRequest) -> tuple[HttpResponseBase | None, list]:
+        """API_MIDDLEWARE's request hooks in order, up to the first that answers."""
+        ran = []
+        for middleware in self.api:
+            ran.append(middleware)
+            hook = getattr(middleware, "process_request", None)
+            response = hook(request) if hook else None
+            if response is not None:
+                return response, ran
+        return None, ran
+
+    @staticmethod
+    def _api_responses(request: HttpRequest, response: HttpResponseBase,
+                       ran: list) -> HttpResponseBase:
+        """The response hooks of those that ran, innermost first."""
+        for middleware in reversed(ran):
+            hook = getattr(middleware, "process_response", None)
+            if hook:
+                response = hook(request, response)
         return response
 
 
-class SecurityMiddleware(InlineHooks, security.SecurityMiddleware):
-    """Django's SecurityMiddleware (SSL redirect, HSTS, nosniff, referrer and COOP headers)."""
-
-
-class CommonMiddleware(InlineHooks, common.CommonMiddleware):
-    """Django's CommonMiddleware (user-agent ban, slash redirects, Content-Length)."""
-
-
-class XFrameOptionsMiddleware(InlineHooks, clickjacking.XFrameOptionsMiddleware):
-    """Django's XFrameOptionsMiddleware."""
-
-
-class ApiHandler(ASGIHandler):
-    """Django's ASGI handler with the middleware of ``settings.API_MIDDLEWARE``."""
-
-    def load_middleware(self, is_async: bool = False) -> None:
-        self._view_middleware: list = []
-        self._template_response_middleware: list = []
-        self._exception_middleware: list = []
-        handler = convert_exception_to_response(self._get_response_async)
-        for path in reversed(settings.API_MIDDLEWARE):
-            middleware = import_string(path)
-            if not (isinstance(middleware, type) and issubclass(middleware, InlineHooks)):
-                raise ImproperlyConfigured(
-                    f"API_MIDDLEWARE holds {path}: only config.middleware's inline "
-                    "middleware runs there (no hooks on threads, no view hooks)."
-                )
-            handler = convert_exception_to_response(middleware(handler))
-        self._middleware_chain = handler
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and _async_view(scope["path"], scope.get("root_path", "")):
-            await self._handle_on_loop(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
-
-    async def _handle_on_loop(self, scope: dict, receive: Any, send: Any) -> None:
-        """Django's ``handle`` (5.2) for an async view that never uses the ORM on the
-        request's thread: without a ``ThreadSensitiveContext``, and with the request signals
-        sent and the response closed on the event loop. Django would start a thread for the
-        request and hop to it three times, only for ``close_old_connections`` to find no
-        connection there. Here it runs on the loop thread, which has none either (Django
-        refuses ORM calls on it)."""
-        try:
-            body_file = await self.read_body(receive)
-        except RequestAborted:
-            return
-        set_script_prefix(get_script_prefix(scope))
-        signals.request_started.send(sender=self.__class__, scope=scope)
-        request, error_response = self.create_request(scope, body_file)
-        if request is None:
-            body_file.close()
-            await self.send_response(error_response, send)
-            error_response.close()
-            return
-
-        async def process_request() -> HttpResponseBase:
-            response = await self.run_get_response(request)
-            try:
-                await self.send_response(response, send)
-            except asyncio.CancelledError:
-                pass  # the client went away while it was sent
-            return response
-
-        # As Django: a disconnect while the view runs cancels it (the view's
-        # CancelIfAbandoned then cancels the inference request).
-        listener = asyncio.create_task(self.listen_for_disconnect(receive))
-        worker = asyncio.create_task(process_request())
-        await asyncio.wait([listener, worker], return_when=asyncio.FIRST_COMPLETED)
-        for task in (listener, worker):
-            if task.done():
-                try:
-                    task.result()
-                except RequestAborted:
-                    pass
-                except AssertionError:
-                    body_file.close()
-                    raise
-            else:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        try:
-            response = worker.result()
-        except asyncio.CancelledError:
-            signals.request_finished.send(sender=self.__class__)
-        else:
-            response.close()  # sends request_finished
-        body_file.close()
-
-
-@functools.lru_cache(maxsize=1024)
-def _async_view(path: str, root_path: str) -> bool:
-    """Whether ``path`` resolves to an async view (which ``_handle_on_loop`` may serve)."""
-    try:
-        match = get_resolver().resolve(path.removeprefix(root_path) or "/")
-    except Resolver404:
-        return False
-    return iscoroutinefunction(match.func)
+def _refuse_unsupported_hooks(path: str, middleware: Any) -> None:
+    for hook in UNSUPPORTED_HOOKS:
+        if hasattr(middleware, hook):
+            raise ImproperlyConfigured(f"{path} has {hook}, which SiteOrApiMiddleware "
+                                       "does not run")

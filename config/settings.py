@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "adrf",
     "drf_spectacular",
     "channels",
     "accounts",
@@ -53,24 +54,30 @@ INSTALLED_APPS = [
     "scheduler_daemon",
 ]
 
-# Django's defaults; the three that do no I/O run their hooks on the event loop under ASGI
-# (config/middleware.py: Django puts every other hook on a thread).
-MIDDLEWARE = [
-    "config.middleware.SecurityMiddleware",
+# The key-authenticated API's URL prefix (inference/urls.py mounts it; the middleware and
+# the error pages look requests up by it).
+API_PREFIX = "/v1/"
+# Django's default middleware, which the site (admin, playground) runs. The API has no use
+# for sessions, CSRF, users or messages: config/middleware.py, the one entry of MIDDLEWARE,
+# runs SITE_MIDDLEWARE outside API_PREFIX and only API_MIDDLEWARE's hooks (on the event
+# loop: they do no I/O) under it.
+SITE_MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "config.middleware.CommonMiddleware",
+    "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "config.middleware.XFrameOptionsMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
-# The key-authenticated API (/v1/, config/asgi.py) has no use for sessions, CSRF, users or
-# messages: it runs on a handler with only these (same headers as the site).
 API_MIDDLEWARE = [
-    "config.middleware.SecurityMiddleware",
-    "config.middleware.CommonMiddleware",
-    "config.middleware.XFrameOptionsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+MIDDLEWARE = ["config.middleware.SiteOrApiMiddleware"]
+# The admin's checks look for its middleware in MIDDLEWARE; it is in SITE_MIDDLEWARE.
+SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
 
 ROOT_URLCONF = "config.urls"
 ASGI_APPLICATION = "config.asgi.application"
@@ -93,6 +100,7 @@ TEMPLATES = [
 DATABASES = {
     "default": dj_database_url.parse(
         env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
+        conn_health_checks=True,
     ),
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
@@ -103,6 +111,14 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {"timeout": 20, "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
     )
+    # Long-lived threads keep their connection (the web's database thread, inference/db.py;
+    # the daemon's history writer): a new one costs ~0.5 ms of CPU. Under ASGI a request's
+    # own thread ends with the request, and its connection with it.
+    DATABASES["default"]["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 600)
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # Django's connection pool (psycopg_pool): every thread, a request's or a long-lived
+    # one, borrows a connection and gives it back (CONN_MAX_AGE must stay 0 with a pool).
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = env_bool("DATABASE_POOL", True)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -123,11 +139,12 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 SERVE_STATIC = env_bool("SERVE_STATIC", True)
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.authentication.ApiKeyAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["inference.auth.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
-    "EXCEPTION_HANDLER": "config.errors.exception_handler",
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "inference.negotiation.JsonAlways",
+    "EXCEPTION_HANDLER": "inference.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 SPECTACULAR_SETTINGS = {
@@ -136,10 +153,7 @@ SPECTACULAR_SETTINGS = {
     "usage. Errors use OpenAI's shape: {\"error\": {message, type, param, code}}.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
-    "POSTPROCESSING_HOOKS": [
-        "drf_spectacular.hooks.postprocess_schema_enums",
-        "inference.openapi.add_async_endpoints",
-    ],
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }
 
 # Request bodies (the API answers 400 request_too_large past it): Django's default, 2.5 MB.
@@ -147,8 +161,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 2_621_440)
 
 # Redis: job queue and token pipe between web and the scheduler daemon.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
-# The web's database calls from async code run on one thread that keeps its connection
-# (inference/db.py). Not an environment setting: in-process tests turn it off.
+# The web's database calls from async code, and the API's key lookups, run on one thread
+# that keeps its connection (inference/db.py). Not an environment setting: in-process
+# tests turn it off.
 WEB_DB_THREAD = True
 # The web's waits: for a daemon to take a queued job, and for a whole request.
 ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)

@@ -1,10 +1,10 @@
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path, re_path
 from django.views.decorators.csrf import csrf_exempt
 from django.views.generic import RedirectView
 
-from config import errors
-from inference import admin_live, metrics
+from inference import admin_live, errors, metrics
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="playground", permanent=False)),
@@ -12,8 +12,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics_view, name="metrics"),
     path("", include("inference.urls")),
-    # Unknown /v1/ URLs answer in the API's error shape, DEBUG or not.
-    re_path(r"^v1/", csrf_exempt(errors.not_found)),  # API clients send no CSRF token
+    # Unknown API URLs answer in the API's error shape, DEBUG or not.
+    re_path(f"^{settings.API_PREFIX.lstrip('/')}", csrf_exempt(errors.not_found)),
 ]
 
 handler400 = errors.bad_request

@@ -1,26 +1,30 @@
 """The OpenAI-compatible completion endpoints and the SSE resume endpoint.
 
-Async views (not DRF's sync APIView): a request waits on Redis for seconds, and under
-ASGI Django cancels an async view or its streaming iterator when the client disconnects,
-which is how a vanished client's request gets cancelled.
+DRF views with async handlers (adrf): a request waits on Redis for seconds, which an async
+handler does on the event loop. Under ASGI Django cancels the view (or its streaming
+response's iterator) when the client disconnects; the cancellation reaches
+``service.CancelIfAbandoned``, which cancels the inference request. Authentication,
+permissions and errors are the API's defaults (REST_FRAMEWORK in config/settings.py).
 """
 from __future__ import annotations
 
-import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from adrf.views import APIView
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
-from django.views.decorators.csrf import csrf_exempt
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from inference import broker, service
-from inference.api_errors import ApiError, invalid
-from inference.auth import authenticate_request
 from inference.broker import StreamEvent
+from inference.errors import ApiError, invalid
 from inference.openai_format import (
     DONE_FRAME,
     KEEPALIVE_FRAME,
@@ -29,89 +33,124 @@ from inference.openai_format import (
     sse_frame,
 )
 from inference.openai_request import CHAT, COMPLETION, load_json, parse_request
+from inference.openapi import (
+    REQUEST_ID,
+    RETRY_AFTER,
+    SSE,
+    ChatCompletionRequestSerializer,
+    ChatCompletionSerializer,
+    CompletionRequestSerializer,
+    CompletionSerializer,
+    error_responses,
+)
 
 KEEPALIVE_IDLE_TICKS = 15  # an SSE comment after this many idle seconds
-
-View = Callable[..., Awaitable[HttpResponse]]
-
-
-def api_endpoint(method: str) -> Callable[[View], View]:
-    """CSRF-exempt (keys, not cookies), one method, ApiError as an OpenAI error reply."""
-
-    def decorate(view: View) -> View:
-        @csrf_exempt
-        @functools.wraps(view)
-        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method != method:
-                error = ApiError(405, f"Method {request.method} not allowed.", "method_not_allowed")
-                response = error.response()
-                response["Allow"] = method
-                return response
-            try:
-                return await view(request, *args, **kwargs)
-            except ApiError as error:
-                return error.response()
-
-        return wrapper
-
-    return decorate
+SSE_MEDIA_TYPE = "text/event-stream"
 
 
-@api_endpoint("POST")
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+def _completion_schema(kind: str) -> Any:
+    chat = kind == CHAT
+    return extend_schema(
+        operation_id="chat_completions_create" if chat else "completions_create",
+        summary="Create a chat completion" if chat else "Create a completion",
+        description="OpenAI-compatible. ``stream: true`` answers with server-sent events.",
+        tags=["completions"],
+        request=ChatCompletionRequestSerializer if chat else CompletionRequestSerializer,
+        parameters=[REQUEST_ID, RETRY_AFTER],
+        responses={
+            (200, "application/json"): ChatCompletionSerializer if chat else CompletionSerializer,
+            (200, SSE_MEDIA_TYPE): SSE,
+            **error_responses(400, 401, 405, 429, 500, 503, 504),
+        },
+    )
+
+
+class CompletionView(APIView):
+    """POST a completion request; the reply is JSON, or SSE with ``stream: true``."""
+
+    kind: str
+
+    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+        parsed = parse_request(self.kind, _json_body(request))
+        submission = await service.submit(request.auth, parsed)
+        formatter = Formatter(self.kind, submission.request_id, submission.model,
+                              submission.created, parsed.include_usage)
+        if parsed.stream:
+            return _sse_response(formatter, service.events(submission))
+        text, final = await service.collect(submission)
+        return Response(formatter.whole(text, final),
+                        headers={"X-Request-Id": submission.request_id})
+
+
+class ChatCompletionsView(CompletionView):
     """POST /v1/chat/completions"""
-    return await _complete(request, CHAT)
+
+    kind = CHAT
+
+    @_completion_schema(CHAT)
+    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+        return await super().post(request)
 
 
-@api_endpoint("POST")
-async def completions(request: HttpRequest) -> HttpResponse:
+class CompletionsView(CompletionView):
     """POST /v1/completions"""
-    return await _complete(request, COMPLETION)
+
+    kind = COMPLETION
+
+    @_completion_schema(COMPLETION)
+    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+        return await super().post(request)
 
 
-@api_endpoint("GET")
-async def request_events(request: HttpRequest, pk: uuid.UUID) -> HttpResponse:
+class RequestEventsView(APIView):
     """GET /v1/requests/<id>/events: the request's stream as SSE, after Last-Event-ID."""
-    api_key = await authenticate_request(request)
-    row = await service.owned_row(api_key.tenant, str(pk))
-    after = request.headers.get("Last-Event-ID") or request.GET.get("last_event_id") or "0-0"
-    if not service.is_event_id(after):
-        raise invalid("last_event_id", "Last-Event-ID must be a stream entry id such as 1-0.")
-    if row.finished and not await broker.stream_exists(str(pk)):
-        raise ApiError(404, "The events of this request have expired.", "events_expired")
-    include_usage = request.GET.get("include_usage", "").lower() in ("1", "true", "yes")
-    formatter = Formatter(row.kind, str(pk), row.model, int(row.created.timestamp()), include_usage)
-    return _sse_response(formatter, await service.resume(api_key, row, after))  # 404/429/503
+
+    @extend_schema(
+        operation_id="requests_events",
+        summary="A request's events as SSE, after Last-Event-ID (resume)",
+        tags=["requests"],
+        parameters=[
+            OpenApiParameter("Last-Event-ID", OpenApiTypes.STR, OpenApiParameter.HEADER,
+                             description="resume after this stream entry id (1712345678901-0)"),
+            OpenApiParameter("last_event_id", OpenApiTypes.STR,
+                             description="the same, as a query parameter"),
+            OpenApiParameter("include_usage", OpenApiTypes.BOOL,
+                             description="add the usage chunk at the end"),
+            RETRY_AFTER,
+        ],
+        responses={(200, SSE_MEDIA_TYPE): SSE, **error_responses(400, 401, 404, 405, 429, 503)},
+    )
+    async def get(self, request: Request, pk: uuid.UUID) -> StreamingHttpResponse:
+        api_key = request.auth
+        row = await service.owned_row(api_key.tenant, str(pk))
+        after = (request.headers.get("Last-Event-ID")
+                 or request.query_params.get("last_event_id") or "0-0")
+        if not service.is_event_id(after):
+            raise invalid("last_event_id", "Last-Event-ID must be a stream entry id such as 1-0.")
+        if row.finished and not await broker.stream_exists(str(pk)):
+            raise ApiError("events_expired", "The events of this request have expired.")
+        include_usage = request.query_params.get("include_usage", "").lower() in (
+            "1", "true", "yes")
+        formatter = Formatter(row.kind, str(pk), row.model, int(row.created.timestamp()),
+                              include_usage)
+        return _sse_response(formatter, await service.resume(api_key, row, after))
 
 
-async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
-    api_key = await authenticate_request(request)
-    parsed = parse_request(kind, _json_body(request))
-    submission = await service.submit(api_key, parsed)
-    formatter = Formatter(kind, submission.request_id, submission.model, submission.created,
-                          parsed.include_usage)
-    if parsed.stream:
-        return _sse_response(formatter, service.events(submission))
-    text, final = await service.collect(submission)
-    response = JsonResponse(formatter.whole(text, final))
-    response["X-Request-Id"] = submission.request_id
-    return response
-
-
-def _json_body(request: HttpRequest) -> Any:
-    """The body as JSON; every way it can be wrong is a 400 in the API's shape."""
+def _json_body(request: Request) -> Any:
+    """The body as JSON, whatever its Content-Type (curl -d sends a form type); every way
+    it can be wrong is a 400 in the API's shape."""
     try:
         raw = request.body
     except RequestDataTooBig:
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        raise ApiError(400, f"The request body is larger than {limit} bytes.",
-                       "request_too_large", limit_bytes=limit) from None
+        raise ApiError("request_too_large", f"The request body is larger than {limit} bytes.",
+                       limit_bytes=limit) from None
     return load_json(raw)
 
 
 def _sse_response(formatter: Formatter,
                   events: AsyncIterator[StreamEvent | None]) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(_sse(formatter, events), content_type="text/event-stream")
+    response = StreamingHttpResponse(_sse(formatter, events), content_type=SSE_MEDIA_TYPE)
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     response["X-Request-Id"] = formatter.request_id

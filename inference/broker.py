@@ -20,7 +20,7 @@ import redis.asyncio as aredis
 from django.conf import settings
 
 from config.env import env_float
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from wire import protocol
 
 SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
@@ -50,7 +50,7 @@ class RedisBusy(ApiError, redis.ConnectionError):
     (code that tolerates Redis being away tolerates this too)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(503, message, "service_unavailable",
+        super().__init__("service_unavailable", message,
                          headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
 
 

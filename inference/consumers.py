@@ -30,11 +30,12 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.models import ApiKey
 from inference import broker, db, service
-from inference.api_errors import ApiError, invalid
-from inference.auth import BAD_KEY, NO_KEY, key_for
+from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, key_for
 from inference.broker import StreamEvent
+from inference.errors import ApiError, invalid
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from wire import protocol
+from wire.errors import INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         except Exception:
             log.exception("websocket consumer failed on %s", message.get("type"))
             await self._shutdown(CLOSE_INTERNAL_ERROR, ApiError(
-                500, "The server had an error processing your message; the socket is closed "
-                     "and its requests are cancelled.", "internal_error"))
+                INTERNAL_ERROR, "The server had an error processing your message; the socket "
+                "is closed and its requests are cancelled."))
 
     async def connect(self) -> None:
         self.api_key = self.scope.get("api_key")
@@ -173,14 +174,14 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                 log.warning("closing an unauthenticated websocket failed", exc_info=True)
 
     async def _refuse_auth(self, message: str) -> None:
-        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(401, message, "invalid_api_key"))
+        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(INVALID_API_KEY, message))
 
     async def revoked(self) -> None:
         """The key was revoked or its tenant deactivated (the watcher noticed)."""
         try:
             await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(
-                401, "This API key was revoked (or its tenant deactivated); the socket is "
-                     "closed and its requests are cancelled.", "invalid_api_key"))
+                INVALID_API_KEY, "This API key was revoked (or its tenant deactivated); the "
+                "socket is closed and its requests are cancelled."))
         except Exception:  # the socket is going either way
             log.warning("closing a revoked key's websocket failed", exc_info=True)
 
@@ -234,9 +235,9 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(client_id, invalid("id", f"Request {client_id!r} is still "
                                                             "running on this socket."))
         elif len(self.running) >= MAX_REQUESTS_PER_SOCKET:
-            await self._send_error(client_id, ApiError(
-                429, f"At most {MAX_REQUESTS_PER_SOCKET} requests at once per socket.",
-                "rate_limited", headers={"Retry-After": "1"}), status=429)
+            busy = ApiError("rate_limited", f"At most {MAX_REQUESTS_PER_SOCKET} requests at "
+                            "once per socket.", headers={"Retry-After": "1"})
+            await self._send_error(client_id, busy, status=busy.status)
         else:
             run = self.running[client_id] = _Running()
             work = self._resume(client_id, run, content) if kind == "resume" else \
@@ -254,9 +255,9 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             log.exception("websocket request %r failed", client_id)
             if run.request_id is not None:  # it must not keep running (and its slot) unread
                 await service.cancel_quietly(run.request_id)
-            await self._send_error(client_id, ApiError(
-                500, "The server had an error processing your request.", "internal_error"),
-                status=500, request_id=run.request_id)
+            failed = ApiError(INTERNAL_ERROR, "The server had an error processing your request.")
+            await self._send_error(client_id, failed, status=failed.status,
+                                   request_id=run.request_id)
         finally:
             if self.running.get(client_id) is run:
                 del self.running[client_id]
@@ -297,7 +298,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         run = self.running.get(client_id)
         if run is None:
             await self._send_error(client_id, ApiError(
-                404, f"No request {client_id!r} is running on this socket.", "not_found"))
+                "not_found", f"No request {client_id!r} is running on this socket."))
         elif run.request_id is None:
             run.cancel_requested = True  # published as soon as it is queued
         else:

@@ -83,7 +83,7 @@ class DaemonCollector(Collector):
         limit_refusals = CounterMetricFamily(
             "llm_limit_refusals", "Requests refused by tenant limits, by code.", labels=["code"]
         )
-        for code in (limits.RATE_LIMITED, limits.CONCURRENCY_LIMITED, limits.BUDGET_EXCEEDED):
+        for code in limits.REFUSAL_CODES:
             limit_refusals.add_metric([code], refusals.get(code, 0))
         yield limit_refusals
 

@@ -5,8 +5,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from inference.api_errors import ApiError
 from inference.broker import StreamEvent
+from inference.errors import ApiError
 from inference.openai_request import CHAT
 from wire import protocol
 
@@ -87,3 +87,4 @@ def sse_frame(entry_id: str | None, payload: dict[str, Any]) -> bytes:
     data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     head = f"id: {entry_id}\n" if entry_id else ""
     return f"{head}data: {data}\n\n".encode()
+

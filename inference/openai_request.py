@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 from django.conf import settings
 
-from inference.api_errors import ApiError, invalid
+from inference.errors import ApiError, invalid
 from wire import protocol
-from wire.errors import InvalidParameter
+from wire.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameter
 from wire.messages import parse_messages
 from wire.sampling import FIELD_NAMES, SamplingParams, require_text
 
@@ -115,11 +115,10 @@ def load_json(raw: bytes | str) -> Any:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         value = json.loads(text or "null", parse_constant=_no_constant)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise ApiError(400, "We could not parse the JSON body of your request.",
-                       "parse_error") from None
+        raise ApiError("parse_error", "We could not parse the JSON body of your request.") from None
     if _brackets(raw) > MAX_JSON_DEPTH and _nested_deeper(value, MAX_JSON_DEPTH):
-        raise ApiError(400, f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.",
-                       "parse_error")
+        raise ApiError("parse_error",
+                       f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.")
     return value
 
 
@@ -212,8 +211,8 @@ def _check_size(param: str, size: int) -> None:
     limit = settings.MAX_PROMPT_BYTES
     if size > limit:
         raise ApiError(
-            400, f"The {param} text is {size} bytes (UTF-8); this server takes at most "
-            f"{limit} bytes (MAX_PROMPT_BYTES).", "context_length_exceeded", param,
+            CONTEXT_LENGTH_EXCEEDED, f"The {param} text is {size} bytes (UTF-8); this server "
+            f"takes at most {limit} bytes (MAX_PROMPT_BYTES).", param,
             prompt_bytes=size, max_prompt_bytes=limit,
         )
 
@@ -300,7 +299,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     except InvalidParameter as exc:
         param = renamed.get(exc.param or "", exc.param)
         message = exc.message.replace(f"{exc.param}:", f"{param}:", 1)
-        raise ApiError(400, message, exc.code, param) from None
+        raise invalid(param, message, exc.code) from None
     return params
 
 

@@ -1,303 +1,165 @@
-"""The OpenAPI schema's hand-written parts (drf-spectacular writes the DRF views' own).
+"""Pieces of the OpenAPI schema the views share; drf-spectacular generates the rest from them.
 
-- ``ERRORS``: the OpenAI error document every endpoint answers errors with.
-- ``add_async_endpoints``: a postprocessing hook that describes the async completion views
-  (plain Django views, which drf-spectacular does not see) and the shared error responses.
+- ``ApiKeyScheme``: ``ApiKeyAuthentication`` as the ``ApiKey`` bearer scheme.
+- ``error_responses``: ``extend_schema`` responses for error statuses, each described by
+  the codes of the one table (``wire.errors.CODES``) answered with it.
+- The OpenAI request and reply bodies of the completion endpoints, as serializers. They
+  document; ``inference/openai_request.py`` checks (its errors name the field at fault).
+  Value ranges are the shared checks' (``wire/sampling.py``) and docs/api.md's.
 """
-
 from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import OpenApiResponse, inline_serializer
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import serializers
 
-ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {
-                    "type": "string",
-                    "enum": ["invalid_request_error", "rate_limit_error", "server_error"],
-                },
-                "param": {"type": "string", "nullable": True, "description": "the field at fault"},
-                "code": {
-                    "type": "string",
-                    "nullable": True,
-                    "description": (
-                        "invalid_api_key, invalid_request_error, context_length_exceeded, "
-                        "model_not_found, "
-                        "rate_limited, concurrency_limited, budget_exceeded, queue_full, "
-                        "scheduler_unavailable, not_found, ..."
-                    ),
-                },
-            },
-            "additionalProperties": True,
-        }
-    },
-}
-
-ErrorSerializer = inline_serializer(
-    "Error",
-    {
-        "error": inline_serializer(
-            "ErrorDetail",
-            {
-                "message": serializers.CharField(),
-                "type": serializers.CharField(),
-                "param": serializers.CharField(allow_null=True),
-                "code": serializers.CharField(allow_null=True),
-            },
-        ),
-    },
-)
-
-_DESCRIPTIONS = {
-    400: "Bad parameter (``param`` names it).",
-    401: "No, bad or revoked API key (``invalid_api_key``).",
-    404: "Not found (another tenant's id looks exactly like an unknown one).",
-    405: "Method not allowed.",
-    409: "Conflict.",
-    429: "Over a tenant limit: ``rate_limited``, ``concurrency_limited`` or ``budget_exceeded``; "
-    "see ``Retry-After``.",
-    503: "``queue_full`` or ``scheduler_unavailable`` (no daemon serves the model); "
-    "see ``Retry-After``.",
-    504: "The request took too long and was cancelled.",
-}
+from wire import errors as codes
 
 
-def errors(*statuses: int) -> dict[int, OpenApiResponse]:
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = "inference.auth.ApiKeyAuthentication"
+    name = "ApiKey"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "http", "scheme": "bearer",
+                "description": "An API key: ``sk-<prefix>.<secret>``."}
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.ChoiceField(
+        choices=sorted({entry.type for entry in codes.CODES.values()}))
+    param = serializers.CharField(allow_null=True, help_text="the field at fault")
+    code = serializers.ChoiceField(choices=sorted(codes.CODES), allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    """OpenAI's error document; refusals may add details (``prompt_tokens``, ``limit``...)."""
+
+    error = ErrorDetailSerializer()
+
+
+def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
     """``extend_schema(responses=...)`` entries for these error statuses."""
-    return {s: OpenApiResponse(ErrorSerializer, description=_DESCRIPTIONS[s]) for s in statuses}
+    return {status: OpenApiResponse(ErrorSerializer, description=_codes_of(status))
+            for status in statuses}
 
 
-_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-        "content": {
-            "oneOf": [
-                {"type": "string"},
-                {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "type": {"type": "string", "enum": ["text"]},
-                            "text": {"type": "string"},
-                        },
-                    },
-                },
-            ]
-        },
-    },
-}
-_SAMPLING = {
-    "model": {"type": "string", "minLength": 1},
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 1_000_000, "nullable": True},
-    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 5},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repeat_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},
-    "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2, "nullable": True},
-    "stop": {
-        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
-        "nullable": True,
-    },
-    "stream": {"type": "boolean"},
-    "stream_options": {
-        "type": "object",
-        "nullable": True,
-        "properties": {"include_usage": {"type": "boolean"}},
-    },
-    "n": {"type": "integer", "enum": [1]},
-    "response_format": {"type": "object", "nullable": True},
-    "session": {
-        "type": "string",
-        "maxLength": 200,
-        "nullable": True,
-        "description": "keeps a conversation on one slot (prefix cache)",
-    },
-    "cache_prompt": {"type": "boolean", "nullable": True},
-    "user": {"type": "string"},
-}
-_USAGE = {
-    "type": "object",
-    "properties": {
-        "prompt_tokens": {"type": "integer"},
-        "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"},
-        "prompt_tokens_details": {
-            "type": "object",
-            "properties": {"cached_tokens": {"type": "integer"}},
-        },
-    },
-}
-_SSE = {
-    "text/event-stream": {
-        "schema": {
-            "type": "string",
-            "description": (
-                "``data: {chunk}`` events with ids (resume with Last-Event-ID), "
-                "ending with ``data: [DONE]``; "
-                'a failure after the stream opened is an event ``{"error": {...}}``.'
-            ),
-        }
-    }
-}
+def _codes_of(status: int) -> str:
+    return "; ".join(f"``{entry.code}``: {entry.summary}"
+                     for entry in codes.CODES.values() if entry.status == status)
 
 
-def _completion_path(kind: str) -> dict[str, Any]:
-    chat = kind == "chat"
-    body = {
-        "type": "object",
-        "required": ["model", "messages" if chat else "prompt"],
-        "properties": {
-            **_SAMPLING,
-            **(
-                {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}}
-                if chat
-                else {
-                    "prompt": {
-                        "oneOf": [
-                            {"type": "string", "minLength": 1},
-                            {"type": "array", "minItems": 1, "items": {"type": "integer"}},
-                        ]
-                    }
-                }
-            ),
-        },
-        "additionalProperties": True,
-    }
-    choice = (
-        {
-            "message": {
-                "type": "object",
-                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-            }
-        }
-        if chat
-        else {"text": {"type": "string"}}
-    )
-    reply = {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string"},
-            "created": {"type": "integer"},
-            "model": {"type": "string", "minLength": 1},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        **choice,
-                        "finish_reason": {"type": "string", "nullable": True},
-                    },
-                },
-            },
-            "usage": _USAGE,
-        },
-    }
-    return {
-        "post": {
-            "operationId": "chat_completions_create" if chat else "completions_create",
-            "summary": "Create a chat completion" if chat else "Create a completion",
-            "description": "OpenAI-compatible. ``stream: true`` answers with server-sent events.",
-            "tags": ["completions"],
-            "security": [{"ApiKey": []}],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-            "responses": {
-                "200": {
-                    "description": "The completion (JSON), or its events (SSE).",
-                    "headers": {"X-Request-Id": {"schema": {"type": "string", "format": "uuid"}}},
-                    "content": {"application/json": {"schema": reply}, **_SSE},
-                },
-                **_error_responses(400, 401, 405, 429, 503, 504),
-            },
-        }
-    }
+RETRY_AFTER = OpenApiParameter(
+    "Retry-After", OpenApiTypes.INT, OpenApiParameter.HEADER, response=[429, 503],
+    description="Seconds to wait before trying again.")
+REQUEST_ID = OpenApiParameter(
+    "X-Request-Id", OpenApiTypes.UUID, OpenApiParameter.HEADER, response=[200],
+    description="The request's id (its history row).")
+SSE = OpenApiResponse(
+    OpenApiTypes.STR,
+    description="Server-sent events: ``id: <entry id>`` + ``data: <chunk JSON>`` each (resume "
+    "after one with Last-Event-ID), ending with ``data: [DONE]``; a failure after the stream "
+    'opened is an event ``{"error": {...}}``.')
 
 
-def _events_path() -> dict[str, Any]:
-    return {
-        "get": {
-            "operationId": "requests_events",
-            "summary": "A request's events as SSE, after Last-Event-ID (resume)",
-            "tags": ["requests"],
-            "security": [{"ApiKey": []}],
-            "parameters": [
-                {
-                    "name": "id",
-                    "in": "path",
-                    "required": True,
-                    "schema": {"type": "string", "format": "uuid"},
-                },
-                {
-                    "name": "Last-Event-ID",
-                    "in": "header",
-                    "schema": {"type": "string", "pattern": r"^\d+-\d+$"},
-                },
-                {
-                    "name": "last_event_id",
-                    "in": "query",
-                    "schema": {"type": "string", "pattern": r"^\d+-\d+$"},
-                },
-                {"name": "include_usage", "in": "query", "schema": {"type": "boolean"}},
-            ],
-            "responses": {
-                "200": {"description": "The events", "content": _SSE},
-                **_error_responses(400, 401, 404, 405),
-            },
-        }
-    }
+# -- the completion endpoints' bodies --------------------------------------------------------------
 
 
-def _error_responses(*statuses: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for status in statuses:
-        out[str(status)] = {
-            "description": _DESCRIPTIONS[status],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-        if status in (429, 503):
-            out[str(status)]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-    return out
+class StreamOptionsSerializer(serializers.Serializer):
+    include_usage = serializers.BooleanField(required=False)
 
 
-def add_async_endpoints(
-    result: dict[str, Any], generator: Any, request: Any, public: bool
-) -> dict[str, Any]:
-    """drf-spectacular postprocessing hook: the async views, the error schema, the key scheme."""
-    components = result.setdefault("components", {})
-    components.setdefault("schemas", {})["Error"] = ERROR_SCHEMA
-    components.setdefault("securitySchemes", {})["ApiKey"] = {
-        "type": "http",
-        "scheme": "bearer",
-        "description": "An API key: ``sk-<prefix>.<secret>``.",
-    }
-    paths = result.setdefault("paths", {})
-    paths["/v1/completions"] = _completion_path("completion")
-    paths["/v1/chat/completions"] = _completion_path("chat")
-    paths["/v1/requests/{id}/events"] = _events_path()
-    for item in paths.values():  # DRF's views: the key scheme under one name
-        for operation in item.values():
-            if isinstance(operation, dict) and operation.get("security"):
-                operation["security"] = [
-                    {"ApiKey": []} if any(k != "ApiKey" for k in s) else s
-                    for s in operation["security"]
-                    if s
-                ] or [{"ApiKey": []}]
-    result["paths"] = dict(sorted(paths.items()))
-    return result
+class CommonRequestSerializer(serializers.Serializer):
+    """Fields of both endpoints (docs/api.md, "Request fields")."""
+
+    model = serializers.CharField(required=False, help_text="default: the server's MODEL_NAME")
+    stream = serializers.BooleanField(required=False)
+    stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+    max_tokens = serializers.IntegerField(required=False, allow_null=True)
+    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True)
+    temperature = serializers.FloatField(required=False)
+    top_p = serializers.FloatField(required=False)
+    top_k = serializers.IntegerField(required=False)
+    min_p = serializers.FloatField(required=False)
+    repeat_penalty = serializers.FloatField(required=False)
+    frequency_penalty = serializers.FloatField(required=False)
+    presence_penalty = serializers.FloatField(required=False)
+    penalty_last_n = serializers.IntegerField(required=False)
+    seed = serializers.IntegerField(required=False, allow_null=True)
+    stop = serializers.JSONField(required=False, help_text="a string or a list of strings")
+    logit_bias = serializers.DictField(child=serializers.FloatField(), required=False,
+                                       help_text='{"<token id>": bias}')
+    ignore_eos = serializers.BooleanField(required=False)
+    grammar = serializers.CharField(required=False, help_text="GBNF")
+    json_schema = serializers.DictField(required=False)
+    response_format = serializers.DictField(required=False, allow_null=True)
+    cache_prompt = serializers.BooleanField(required=False, allow_null=True)
+    session = serializers.CharField(required=False, allow_null=True,
+                                    help_text="keeps a conversation on one slot (prefix cache)")
+    user = serializers.CharField(required=False, help_text="taken as the session when none")
+    n = serializers.IntegerField(required=False, help_text="only 1")
+
+
+class ChatMessageSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(["system", "developer", "user", "assistant", "tool"])
+    content = serializers.JSONField(help_text='a string or a list of {"type": "text", '
+                                              '"text": ...} parts')
+
+
+class ChatCompletionRequestSerializer(CommonRequestSerializer):
+    messages = ChatMessageSerializer(many=True)
+
+
+class CompletionRequestSerializer(CommonRequestSerializer):
+    prompt = serializers.JSONField(help_text="a string, a list of token ids, or a one-string "
+                                             "list")
+
+
+class PromptTokensDetailsSerializer(serializers.Serializer):
+    cached_tokens = serializers.IntegerField()
+
+
+class TokenUsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    prompt_tokens_details = PromptTokensDetailsSerializer()
+
+
+class AssistantMessageSerializer(serializers.Serializer):
+    role = serializers.CharField()
+    content = serializers.CharField()
+
+
+class ChatChoiceSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    message = AssistantMessageSerializer()
+    finish_reason = serializers.CharField(allow_null=True)
+    logprobs = serializers.JSONField(allow_null=True)
+
+
+class CompletionChoiceSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    text = serializers.CharField()
+    finish_reason = serializers.CharField(allow_null=True)
+    logprobs = serializers.JSONField(allow_null=True)
+
+
+class ReplySerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField()
+    created = serializers.IntegerField()
+    model = serializers.CharField()
+    usage = TokenUsageSerializer()
+
+
+class ChatCompletionSerializer(ReplySerializer):
+    choices = ChatChoiceSerializer(many=True)
+
+
+class CompletionSerializer(ReplySerializer):
+    choices = CompletionChoiceSerializer(many=True)

@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
 from inference import broker, db, history, limits, metrics
-from inference.api_errors import ApiError, invalid, unavailable
 from inference.broker import StreamEvent
+from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import protocol
@@ -234,7 +234,7 @@ async def resume(api_key: ApiKey, row: InferenceRequest,
     tenant's in-flight set for as long as it reads)."""
     request_id = str(row.id)
     if not await broker.stream_exists(request_id) and _no_stream_coming(row):
-        raise ApiError(404, "The events of this request have expired.", "events_expired")
+        raise ApiError("events_expired", "The events of this request have expired.")
     broker.check_capacity()
     member = await db.run(limits.take_resume_slot_sync, api_key, ttl_s=RESUME_SLOT_TTL_S)
     events = follow(request_id, after, row.model)
@@ -363,5 +363,5 @@ def owned_row(tenant: Tenant, request_id: str) -> InferenceRequest:
     """The tenant's row, else 404 (another tenant's id looks exactly like an unknown one)."""
     row = InferenceRequest.objects.for_tenant(tenant).filter(id=request_id).first()
     if row is None:
-        raise ApiError(404, f"No request with id {request_id}.", "not_found")
+        raise ApiError("not_found", f"No request with id {request_id}.")
     return row

@@ -1,4 +1,5 @@
-from django.urls import path
+from django.conf import settings
+from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularRedocView
 
 from inference import api_views, metrics, views
@@ -8,21 +9,26 @@ history_list = views.InferenceRequestViewSet.as_view({"get": "list"})
 history_detail = views.InferenceRequestViewSet.as_view({"get": "retrieve"})
 history_cancel = views.InferenceRequestViewSet.as_view({"post": "cancel"})
 
-urlpatterns = [
-    path("v1/health", views.HealthView.as_view(), name="health"),
-    path("v1/models", views.ModelListView.as_view(), name="model-list"),
-    path("v1/models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
-    path("v1/completions", api_views.completions, name="completions"),
-    path("v1/chat/completions", api_views.chat_completions, name="chat-completions"),
-    path("v1/requests", history_list, name="request-list"),
-    path("v1/requests/<uuid:pk>", history_detail, name="request-detail"),
-    path("v1/requests/<uuid:pk>/cancel", history_cancel, name="request-cancel"),
-    path("v1/requests/<uuid:pk>/events", api_views.request_events, name="request-events"),
-    path("v1/usage", views.UsageView.as_view(), name="usage"),
-    path("v1/openapi.json", SpectacularJSONAPIView.as_view(**PUBLIC), name="openapi-schema"),
-    path("v1/docs", SpectacularRedocView.as_view(url_name="openapi-schema", **PUBLIC),
+api_patterns = [
+    path("health", views.HealthView.as_view(), name="health"),
+    path("models", views.ModelListView.as_view(), name="model-list"),
+    path("models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
+    path("completions", api_views.CompletionsView.as_view(), name="completions"),
+    path("chat/completions", api_views.ChatCompletionsView.as_view(), name="chat-completions"),
+    path("requests", history_list, name="request-list"),
+    path("requests/<uuid:pk>", history_detail, name="request-detail"),
+    path("requests/<uuid:pk>/cancel", history_cancel, name="request-cancel"),
+    path("requests/<uuid:pk>/events", api_views.RequestEventsView.as_view(),
+         name="request-events"),
+    path("usage", views.UsageView.as_view(), name="usage"),
+    path("openapi.json", SpectacularJSONAPIView.as_view(**PUBLIC), name="openapi-schema"),
+    path("docs", SpectacularRedocView.as_view(url_name="openapi-schema", **PUBLIC),
          name="api-docs"),
     # also at /metrics once config/urls.py routes it there
-    path("v1/metrics", metrics.metrics_view, name="metrics-v1"),
+    path("metrics", metrics.metrics_view, name="metrics-v1"),
+]
+
+urlpatterns = [
+    path(settings.API_PREFIX.lstrip("/"), include(api_patterns)),
     path("playground/", views.PlaygroundView.as_view(), name="playground"),
 ]

@@ -22,7 +22,7 @@ from accounts.models import Tenant
 from inference import broker, limits
 from inference.health import health_report, model_list
 from inference.models import InferenceRequest
-from inference.openapi import errors
+from inference.openapi import error_responses
 from inference.serializers import InferenceRequestSerializer, UsageQuerySerializer, UsageSerializer
 
 MODEL_FIELDS = {
@@ -50,7 +50,8 @@ class HealthView(APIView):
 class ModelListView(APIView):
     """GET /v1/models: the models live daemons serve."""
 
-    @extend_schema(responses={200: MODEL_LIST, **errors(401)}, summary="Models live daemons serve")
+    @extend_schema(responses={200: MODEL_LIST, **error_responses(401)},
+                   summary="Models live daemons serve")
     def get(self, request: Request) -> Response:
         return Response({"object": "list", "data": model_list()})
 
@@ -58,7 +59,7 @@ class ModelListView(APIView):
 class ModelDetailView(APIView):
     """GET /v1/models/<model>"""
 
-    @extend_schema(responses={200: MODEL, **errors(401, 404)}, summary="One model",
+    @extend_schema(responses={200: MODEL, **error_responses(401, 404)}, summary="One model",
                    operation_id="models_detail")
     def get(self, request: Request, model: str) -> Response:
         found = next((m for m in model_list() if m["id"] == model), None)
@@ -89,9 +90,10 @@ class HistoryPagination(CursorPagination):
 
 @extend_schema_view(
     list=extend_schema(responses={200: InferenceRequestSerializer(many=True),
-                                  **errors(400, 401, 404)},
+                                  **error_responses(400, 401, 404)},
                        summary="The tenant's request history, newest first"),
-    retrieve=extend_schema(responses={200: InferenceRequestSerializer, **errors(401, 404)},
+    retrieve=extend_schema(responses={200: InferenceRequestSerializer,
+                                      **error_responses(401, 404)},
                            summary="One request's accounting"),
 )
 class InferenceRequestViewSet(viewsets.ReadOnlyModelViewSet):
@@ -104,7 +106,8 @@ class InferenceRequestViewSet(viewsets.ReadOnlyModelViewSet):
     def get_queryset(self) -> QuerySet[InferenceRequest]:
         return InferenceRequest.objects.for_tenant(self.request.auth.tenant)
 
-    @extend_schema(request=None, responses={200: InferenceRequestSerializer, **errors(401, 404)},
+    @extend_schema(request=None,
+                   responses={200: InferenceRequestSerializer, **error_responses(401, 404)},
                    summary="Cancel a request")
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
@@ -127,7 +130,7 @@ class UsageView(APIView):
             OpenApiParameter("end", OpenApiTypes.DATE,
                              description="last day, inclusive; default: today"),
         ],
-        responses={200: UsageSerializer, **errors(400, 401)},
+        responses={200: UsageSerializer, **error_responses(400, 401)},
         summary="The tenant's usage by day and model",
     )
     def get(self, request: Request) -> Response:

@@ -1,14 +1,18 @@
-"""Every DRF error leaves in OpenAI's shape."""
+"""Every API error leaves in OpenAI's shape, with a code of the one table (wire.errors)."""
 
+import pytest
+from django.http import Http404
 from rest_framework import exceptions, serializers
 
-from config.errors import exception_handler
+from inference.errors import ApiError, exception_handler, invalid
+from wire.errors import CODES
 
 
 def handle(exc: Exception):
     response = exception_handler(exc, {})
     assert set(response.data) == {"error"}
-    assert set(response.data["error"]) == {"message", "type", "param", "code"}
+    assert {"message", "type", "param", "code"} <= set(response.data["error"])
+    assert response.data["error"]["code"] in CODES
     return response
 
 
@@ -19,11 +23,11 @@ def test_validation_error_names_the_field():
         "message": "Must be positive.",
         "type": "invalid_request_error",
         "param": "max_tokens",
-        "code": "invalid",
+        "code": "invalid_request_error",
     }
 
 
-def test_validation_error_keeps_a_custom_code_and_nested_field():
+def test_validation_error_keeps_a_code_of_the_table_and_a_nested_field():
     class Message(serializers.Serializer):
         content = serializers.CharField()
 
@@ -34,17 +38,22 @@ def test_validation_error_keeps_a_custom_code_and_nested_field():
     assert not chat.is_valid()
     error = handle(exceptions.ValidationError(chat.errors)).data["error"]
     assert error["param"] == "messages[1].content"
-    assert error["code"] == "required"
+    assert error["code"] == "invalid_request_error"  # DRF's "required" is not a client code
 
     detail = {"prompt": [exceptions.ErrorDetail("too long", code="context_length_exceeded")]}
     error = handle(exceptions.ValidationError(detail)).data["error"]
     assert error["code"] == "context_length_exceeded"
 
 
-def test_parse_error_is_400():
-    response = handle(exceptions.ParseError("JSON parse error"))
-    assert response.status_code == 400
-    assert response.data["error"]["code"] == "parse_error"
+def test_drf_errors_take_the_tables_codes():
+    assert handle(exceptions.ParseError("JSON parse error")).data["error"]["code"] == "parse_error"
+    assert handle(exceptions.NotFound()).status_code == 404
+    assert handle(Http404()).data["error"]["code"] == "not_found"
+    refused = handle(exceptions.NotAuthenticated())
+    assert refused.status_code == 401 and refused.data["error"]["code"] == "invalid_api_key"
+    assert handle(exceptions.MethodNotAllowed("GET")).data["error"]["code"] == "method_not_allowed"
+    odd = handle(exceptions.UnsupportedMediaType("text/csv"))  # DRF's code is not a client code
+    assert (odd.status_code, odd.data["error"]["code"]) == (415, "invalid_request_error")
 
 
 def test_throttled_is_429_with_retry_after():
@@ -53,6 +62,34 @@ def test_throttled_is_429_with_retry_after():
     assert response["Retry-After"] == "3"
     assert response.data["error"]["type"] == "rate_limit_error"
     assert response.data["error"]["code"] == "rate_limited"
+
+
+def test_an_api_error_has_its_codes_status_type_headers_and_details():
+    error = ApiError("queue_full", "Full.", headers={"Retry-After": "2"}, queue_depth=64)
+    response = handle(error)
+    assert response.status_code == CODES["queue_full"].status == error.status
+    assert response["Retry-After"] == "2"
+    assert response.data["error"] == {"message": "Full.", "type": "server_error", "param": None,
+                                      "code": "queue_full", "queue_depth": 64}
+    unknown = invalid("frobnicate", "Unrecognized.", "unknown_parameter")  # a 400 refinement
+    assert (unknown.status, unknown.body()["error"]["type"]) == (400, "invalid_request_error")
+
+
+@pytest.mark.parametrize("data, status, code", [
+    ({"code": "queue_full", "message": "m", "retry_after_s": 3}, 503, "queue_full"),
+    ({"code": "context_length_exceeded", "message": "m", "prompt_tokens": 9}, 400,
+     "context_length_exceeded"),
+    ({"code": "tenant_queue_full", "message": "m", "status": 429}, 429, "tenant_queue_full"),
+    ({"message": "?"}, 500, "internal_error"),
+])
+def test_an_error_event_becomes_its_codes_http_error(data, status, code):
+    error = ApiError.from_event(data)
+    assert (error.status, error.code) == (status, code)
+    if status in (429, 503):
+        assert error.headers["Retry-After"] == str(data.get("retry_after_s", 1))
+    assert "retry_after_s" not in error.body()["error"]
+    if "prompt_tokens" in data:
+        assert error.body()["error"]["prompt_tokens"] == 9
 
 
 def test_non_api_exception_is_left_to_django():

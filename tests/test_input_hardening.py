@@ -379,7 +379,7 @@ def test_a_forged_history_cursor_is_404_not_500(api, parties):
 def test_a_disallowed_host_under_v1_is_a_json_400(api, settings):
     settings.ALLOWED_HOSTS = ["testserver"]
     response = api.get("/v1/health", HTTP_HOST="evil.example")
-    assert error_of(response)["code"] == "bad_request"
+    assert error_of(response)["code"] == "invalid_request_error"
 
 
 @pytest.mark.asyncio

@@ -11,7 +11,7 @@ from django.test import Client, override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference import limits, metrics
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from wire import protocol
 
 URL = "/metrics"  # also served at /v1/metrics
@@ -114,8 +114,8 @@ def test_latency_histograms_and_refusals_move():
         == value(before, "llm_web_requests_total", status="stop") + 1
     )
     assert (
-        value(after, "llm_limit_refusals_total", code="rate_limited")
-        == value(before, "llm_limit_refusals_total", code="rate_limited") + 1
+        value(after, "llm_limit_refusals_total", code="rpm_exceeded")
+        == value(before, "llm_limit_refusals_total", code="rpm_exceeded") + 1
     )
 
 

@@ -1,17 +1,16 @@
-"""The API's lean handler (config/middleware.py) over a real daphne: the /v1/ API runs
-without sessions, CSRF or messages but keeps the site's security headers; the rest of the
-site keeps Django's full middleware."""
+"""config/middleware.py: the /v1/ API runs without sessions, CSRF or messages but keeps the
+site's security headers (over a real daphne), with its middleware hooks on the event loop;
+the rest of the site keeps Django's full middleware, CSRF checks included."""
 import asyncio
 import threading
 
 import pytest
-from django.core import signals
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
-from django.test import RequestFactory, override_settings
+from django.test import Client, RequestFactory, override_settings
 from django.utils.deprecation import MiddlewareMixin
 
-from config.middleware import ApiHandler, InlineHooks, SecurityMiddleware
+from config.middleware import SiteOrApiMiddleware
 from tests.live_service import echo
 
 SECURITY_HEADERS = {
@@ -58,83 +57,102 @@ def test_site_pages_keep_sessions_and_csrf(web):
     assert "csrftoken=" in (reply.header("Set-Cookie") or "")
 
 
-def test_the_api_handler_takes_only_inline_middleware():
-    """A middleware that would hop to a thread (or needs view hooks) is refused at start."""
-    with override_settings(API_MIDDLEWARE=["django.contrib.sessions.middleware."
-                                           "SessionMiddleware"]):
-        with pytest.raises(ImproperlyConfigured, match="SessionMiddleware"):
-            ApiHandler()
-    with override_settings(API_MIDDLEWARE=["config.middleware.SecurityMiddleware"]):
-        handler = ApiHandler()
-    assert isinstance(handler._middleware_chain.__wrapped__, SecurityMiddleware)
+PROBE = "tests.test_middleware.Probe"
+SEEN: list[tuple[str, str, int]] = []  # (hook, path, thread)
 
 
-def test_inline_hooks_run_on_the_event_loop_thread():
-    """Django's own MiddlewareMixin runs these hooks on another thread under ASGI."""
-    threads = []
+class Probe(MiddlewareMixin):
+    """Records where its hooks run."""
 
-    class Probe(InlineHooks, MiddlewareMixin):
-        def process_request(self, request):
-            threads.append(threading.get_ident())
+    def process_request(self, request):
+        SEEN.append(("request", request.path, threading.get_ident()))
 
-        def process_response(self, request, response):
-            threads.append(threading.get_ident())
-            response["X-Probe"] = "seen"
-            return response
+    def process_response(self, request, response):
+        SEEN.append(("response", request.path, threading.get_ident()))
+        response["X-Probe"] = "seen"
+        return response
 
-    async def view(request):
-        return HttpResponse("ok")
 
+class Answer(MiddlewareMixin):
+    """Answers every request itself (as SecurityMiddleware's SSL redirect does)."""
+
+    def process_request(self, request):
+        return HttpResponse("early", status=301)
+
+
+class Catches(MiddlewareMixin):
+    def process_exception(self, request, exception):
+        return HttpResponse("caught")
+
+
+async def view(request):
+    return HttpResponse("ok")
+
+
+def run_async(middleware, path):
     async def call():
-        response = await Probe(view)(RequestFactory().get("/v1/health"))
-        return threading.get_ident(), response
+        return threading.get_ident(), await middleware(RequestFactory().get(path))
 
-    loop_thread, response = asyncio.run(call())
+    return asyncio.run(call())
+
+
+def test_api_hooks_run_on_the_event_loop_and_skip_the_site_middleware():
+    """MiddlewareMixin would run each hook on another thread under ASGI."""
+    SEEN.clear()
+    with override_settings(API_MIDDLEWARE=[PROBE], SITE_MIDDLEWARE=[]):
+        middleware = SiteOrApiMiddleware(view)
+    loop_thread, response = run_async(middleware, "/v1/health")
     assert response["X-Probe"] == "seen"
-    assert threads == [loop_thread, loop_thread]
+    assert SEEN == [("request", "/v1/health", loop_thread), ("response", "/v1/health", loop_thread)]
+
+    SEEN.clear()
+    _thread, response = run_async(middleware, "/admin/")  # the site: SITE_MIDDLEWARE only
+    assert SEEN == [] and not response.has_header("X-Probe")
 
 
-async def _asgi(app, method, path):
-    """One request straight to an ASGI app; the reply's messages."""
-    sent, pending = [], [{"type": "http.request", "body": b"", "more_body": False}]
-
-    async def receive():
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client never leaves
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    return sent
+def test_the_site_runs_the_site_middleware():
+    SEEN.clear()
+    with override_settings(API_MIDDLEWARE=[], SITE_MIDDLEWARE=[PROBE]):
+        middleware = SiteOrApiMiddleware(view)
+    _thread, response = run_async(middleware, "/admin/")
+    assert response["X-Probe"] == "seen" and [hook for hook, *_ in SEEN] == ["request",
+                                                                             "response"]
+    SEEN.clear()
+    _thread, response = run_async(middleware, "/v1/health")
+    assert SEEN == [] and not response.has_header("X-Probe")
 
 
-@pytest.mark.django_db(transaction=True)
-def test_async_api_views_run_without_a_request_thread():
-    """The completion endpoints are served on the event loop: the request signals fire on
-    its thread; a DRF view still gets Django's thread for the request."""
-    seen = []
+def test_an_api_request_hook_that_answers_skips_the_view_not_the_response_hooks():
+    SEEN.clear()
+    with override_settings(API_MIDDLEWARE=[PROBE, "tests.test_middleware.Answer"],
+                           SITE_MIDDLEWARE=[]):
+        middleware = SiteOrApiMiddleware(view)
+    _thread, response = run_async(middleware, "/v1/health")
+    assert (response.status_code, response.content) == (301, b"early")
+    assert response["X-Probe"] == "seen"
 
-    def started(**kwargs):
-        seen.append(threading.get_ident())
 
-    signals.request_started.connect(started)
-    try:
-        async def both():
-            completions = await _asgi(ApiHandler(), "POST", "/v1/completions")
-            loop_thread = threading.get_ident()
-            health = await _asgi(ApiHandler(), "GET", "/v1/health")
-            return loop_thread, completions, health
+def test_sync_mode_too():
+    """Under WSGI (and Django's test client) the same, without an event loop."""
+    SEEN.clear()
+    with override_settings(API_MIDDLEWARE=[PROBE], SITE_MIDDLEWARE=[]):
+        middleware = SiteOrApiMiddleware(lambda request: HttpResponse("ok"))
+    assert middleware(RequestFactory().get("/v1/health"))["X-Probe"] == "seen"
 
-        loop_thread, completions, health = asyncio.run(both())
-    finally:
-        signals.request_started.disconnect(started)
-    assert completions[0]["status"] == 401  # no key: answered, in the API's shape
-    assert b"invalid_api_key" in completions[1]["body"]
-    assert health[0]["status"] == 200
-    assert seen[0] == loop_thread and seen[1] != loop_thread
+
+def test_middleware_whose_hooks_it_would_not_run_is_refused():
+    with override_settings(API_MIDDLEWARE=["django.middleware.csrf.CsrfViewMiddleware"]):
+        with pytest.raises(ImproperlyConfigured, match="view hooks"):
+            SiteOrApiMiddleware(view)
+    with override_settings(SITE_MIDDLEWARE=["tests.test_middleware.Catches"], API_MIDDLEWARE=[]):
+        with pytest.raises(ImproperlyConfigured, match="process_exception"):
+            SiteOrApiMiddleware(view)
+
+
+@pytest.mark.django_db
+def test_csrf_still_guards_the_site_and_never_the_api():
+    """CsrfViewMiddleware's view hook runs for the site (through SiteOrApiMiddleware)."""
+    client = Client(enforce_csrf_checks=True)
+    assert client.post("/admin/login/", {"username": "x", "password": "y"}).status_code == 403
+    reply = client.post("/v1/completions", "{}", content_type="application/json")
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"

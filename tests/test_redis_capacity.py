@@ -13,7 +13,7 @@ from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
 from inference import broker
-from inference.api_errors import ApiError
+from inference.errors import ApiError
 from tests.live_service import StandIn, echo, wait_until
 from wire import protocol
 

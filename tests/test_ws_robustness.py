@@ -20,6 +20,7 @@ from config.asgi import application
 from inference import consumers
 from inference.models import InferenceRequest
 from tests.live_service import StandIn, echo, redis_conn, wait_until
+from wire import limits as wire_limits
 from wire import protocol
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
@@ -246,10 +247,11 @@ async def test_resumes_hold_concurrency_slots_and_free_them(parties, standin):
     assert refused["error"]["code"] == "concurrency_limited"
     release.set()
     await until_done(ws, "held")
-    inflight = protocol.inflight_key(str(parties.a.pk))
+    inflight = wire_limits.inflight_key(str(parties.a.pk))
     r = redis_conn()
+    resume = wire_limits.RESUME_SLOT_PREFIX.encode()
     await asyncio.to_thread(wait_until, lambda: not any(
-        m.startswith(b"resume:") for m in r.zrange(inflight, 0, -1)), GUARD_S)
+        m.startswith(resume) for m in r.zrange(inflight, 0, -1)), GUARD_S)
     await ws.disconnect()
 
 
@@ -264,7 +266,7 @@ async def test_too_many_resumes_on_closed_sockets_leave_no_slots(parties, standi
     await ws.send_json_to({"type": "completions", "id": 0, "model": standin.model,
                            "prompt": "Hi"})
     request_id = (await until_done(ws, 0))[0]["request_id"]
-    redis_conn().zrem(protocol.inflight_key(str(parties.a.pk)), request_id)  # as a daemon would
+    redis_conn().zrem(wire_limits.inflight_key(str(parties.a.pk)), request_id)  # as a daemon would
     sockets = [socket_for(parties.owner) for _ in range(3)]
     for s in sockets:
         await s.connect()
@@ -284,6 +286,6 @@ async def test_too_many_resumes_on_closed_sockets_leave_no_slots(parties, standi
                for o in outcomes if o["type"] == "error")
     for s in sockets:
         await s.disconnect()
-    inflight = protocol.inflight_key(str(parties.a.pk))
+    inflight = wire_limits.inflight_key(str(parties.a.pk))
     await asyncio.to_thread(wait_until, lambda: redis_conn().zcard(inflight) == 0, GUARD_S)
     await ws.disconnect()
