@@ -181,9 +181,11 @@ def _explain(refused: wire_limits.Refused, limits: Limits,
         if how == wire_limits.TOO_BIG:
             return (f"{wants[0].upper()}{wants[1:]}, more than the tenant's {tpm} tokens per "
                     "minute: lower max_tokens."), "max_tokens"
+        room = used + reserved < tpm  # a smaller max_tokens could fit now
         return (f"This tenant used {used} tokens in the last minute and its requests in "
                 f"flight reserved {reserved}, of its {tpm} tokens per minute; {wants}: try "
-                f"again in {refused.retry_after_s} s, or lower max_tokens."), "max_tokens"
+                f"again in {refused.retry_after_s} s{', or lower max_tokens' if room else ''}."
+                ), "max_tokens" if room else None
     if limit == wire_limits.RPM:
         if how == wire_limits.TOO_BIG:
             return "This tenant may make no requests (requests_per_minute is 0).", None
