@@ -7,7 +7,9 @@
   const KEY_STORE = "playground.api_key";
   const ERROR_TEXT = {
     invalid_api_key: "Invalid API key", queue_full: "The queue is full, try again shortly",
-    rate_limited: "Rate limited", scheduler_unavailable: "No scheduler serves this model",
+    rate_limited: "Rate limited", rpm_exceeded: "Too many requests this minute",
+    tpm_exceeded: "Too many tokens this minute", concurrency_limited: "Too many requests at once",
+    budget_exceeded: "The monthly token budget is spent", scheduler_unavailable: "No scheduler serves this model",
     context_length_exceeded: "The conversation is too long for the model's context",
     model_not_found: "Unknown model",
   };
