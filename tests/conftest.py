@@ -1,6 +1,10 @@
 """Shared fixtures: tenants with keys (owner / member / outsider) and a test Redis.
 
 Tests use Redis database 15 (TEST_REDIS_URL), never the development database 0.
+
+Tests that reach a database get the ``database`` marker here (from the fixtures they use):
+`make test` runs the whole suite on SQLite, then ``-m database`` again with DATABASE_URL
+naming a PostgreSQL database (docs/testing.md).
 """
 
 import os
@@ -19,6 +23,25 @@ os.environ["REDIS_URL"] = TEST_REDIS_URL
 settings.REDIS_URL = TEST_REDIS_URL
 
 
+# What reaches a database: pytest-django's fixtures (each requests django_db_setup) and the
+# live servers and daemons (tests/live_service.py, tests/daemon/conftest.py).
+DATABASE_FIXTURES = {"django_db_setup", "web", "daemon_env"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "database: reaches a database (set by tests/conftest.py from the django_db "
+        "marker and the fixtures a test uses); `make test` runs these on PostgreSQL too")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("django_db") or DATABASE_FIXTURES.intersection(
+                getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.database)
+
+
 @dataclass
 class Parties:
     """Tenant A has an owner key and a member key; tenant B is the outsider."""
@@ -32,7 +55,12 @@ class Parties:
 
 
 @pytest.fixture
-def parties(db: None) -> Parties:
+def parties(transactional_db: None) -> Parties:
+    """Committed, not inside the test's transaction: the web's async code reaches the
+    database through channels' database_sync_to_async (or inference/db.py's thread), which
+    runs close_old_connections around each call. Inside a test's transaction that closes
+    the test's own connection: a no-op on SQLite's in-memory test database, "the connection
+    is closed" on PostgreSQL (channels' testing advice: transactional tests)."""
     a = Tenant.objects.create(slug="alpha", name="Alpha")
     b = Tenant.objects.create(slug="beta", name="Beta")
     owner_key, owner = ApiKey.issue(a, "owner")
@@ -69,9 +97,9 @@ def clean_test_redis():
 
 @pytest.fixture(autouse=True)
 def web_db_on_test_connection(settings):
-    """In-process views and consumers reach the database through the test's own connection
-    (its data sits in an uncommitted transaction). Live servers keep inference/db.py's
-    thread, their default."""
+    """In-process views and consumers reach the database on the test's own thread and
+    connection (channels' database_sync_to_async), where a transaction-wrapped test's data
+    is visible. Live servers keep inference/db.py's thread, their default."""
     settings.WEB_DB_THREAD = False
 
 

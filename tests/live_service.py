@@ -1,8 +1,9 @@
 """A real web server (daphne subprocess) and daemons for the API and websocket tests.
 
-- ``web_server()``: daphne on a free port, its own migrated SQLite file, tenants alpha
-  (owner and member keys) and beta (outsider key). One per test session (module-level
-  singleton: several test modules share it), stopped at exit.
+- ``web_server()``: daphne on a free port, its own migrated database (``OwnDatabase``: on
+  the engine the tests run on), tenants alpha (owner and member keys) and beta (outsider
+  key). One per test session (module-level singleton: several test modules share it),
+  stopped at exit.
 - ``StandIn``: a pretend daemon inside the test process that heartbeats like a real one
   and answers jobs by writing protocol events itself. It tests the web's handling of the
   wire (dead daemons, refusals, resumes) next to, never instead of, the real daemon.
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -30,8 +32,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import redis
+from django.conf import settings
 
 from wire import protocol
 
@@ -47,6 +51,86 @@ print(json.dumps({"tenant_a": a.id, "owner": ApiKey.issue(a, "owner")[1],
 """
 
 
+class OwnDatabase:
+    """A database of its own for subprocesses (daphne, ``run_scheduler``), on the engine and
+    server the test process uses (``DATABASE_URL``): an SQLite file in ``directory``, or a
+    PostgreSQL database named after pytest-django's test database
+    (``test_<name>_<purpose>_<hex>``), created here, filled by ``migrate()``, dropped by
+    ``drop()`` (at exit at the latest).
+
+    Not the test database itself: transactional tests empty every table after each test,
+    which would delete the tenants and keys a session-long server was started with.
+    """
+
+    def __init__(self, directory: Path, purpose: str) -> None:
+        self._settings = dict(settings.DATABASES["default"])
+        self.is_postgres = self._settings["ENGINE"] == "django.db.backends.postgresql"
+        if not self.is_postgres:
+            self.name = str(directory / f"{purpose}.sqlite3")
+            self.url = f"sqlite:///{self.name}"
+            return
+        base = self._settings["NAME"]
+        base = base if base.startswith("test_") else f"test_{base}"
+        self.name = f"{base}_{purpose}_{uuid.uuid4().hex[:6]}"
+        self._admin(f"CREATE DATABASE {_quote_name(self.name)}")
+        atexit.register(self.drop)  # also when the owner's stop() never runs
+        self.url = self._postgres_url()
+
+    def migrate(self, env: dict[str, str]) -> None:
+        """``manage.py migrate`` into this database (``env`` must name it)."""
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env,
+                       check=True)
+
+    def connect(self) -> Any:
+        """A DB-API connection (sqlite3, or psycopg with dict rows); the caller closes it."""
+        if not self.is_postgres:
+            con = sqlite3.connect(self.name)
+            con.row_factory = sqlite3.Row
+            return con
+        import psycopg
+        from psycopg.rows import dict_row
+
+        return psycopg.connect(**self._connect_args(self.name), row_factory=dict_row)
+
+    @property
+    def placeholder(self) -> str:
+        """The DB-API parameter marker of this engine."""
+        return "%s" if self.is_postgres else "?"
+
+    def drop(self) -> None:
+        """Drop a PostgreSQL database (closing what still uses it); an SQLite file goes
+        with its directory."""
+        if self.is_postgres:
+            self._admin(f"DROP DATABASE IF EXISTS {_quote_name(self.name)} WITH (FORCE)")
+
+    def _admin(self, statement: str) -> None:
+        import psycopg
+
+        with psycopg.connect(**self._connect_args("postgres"), autocommit=True) as con:
+            con.execute(statement)
+
+    def _connect_args(self, dbname: str) -> dict[str, Any]:
+        s = self._settings
+        args = {"dbname": dbname, "host": s.get("HOST") or None, "port": s.get("PORT") or None,
+                "user": s.get("USER") or None, "password": s.get("PASSWORD") or None}
+        return {**{k: v for k, v in args.items() if v is not None}, **s.get("OPTIONS", {})}
+
+    def _postgres_url(self) -> str:
+        s = self._settings
+        user = quote(s.get("USER") or "", safe="")
+        password = quote(s.get("PASSWORD") or "", safe="")
+        login = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+        host = quote(s.get("HOST") or "", safe="")
+        port = f":{s['PORT']}" if s.get("PORT") else ""
+        options = {k: v for k, v in s.get("OPTIONS", {}).items() if isinstance(v, str)}
+        query = f"?{urlencode(options)}" if options else ""
+        return f"postgres://{login}{host}{port}/{quote(self.name, safe='')}{query}"
+
+
+def _quote_name(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -58,9 +142,10 @@ class WebServer:
 
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="web-test-"))
+        self.database = OwnDatabase(self.tmp, "web")
         self.env = {
             **os.environ, "REDIS_URL": TEST_REDIS_URL, "DEBUG": "true",
-            "DATABASE_URL": f"sqlite:///{self.tmp / 'web.sqlite3'}",
+            "DATABASE_URL": self.database.url,
             "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
             "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
         }
@@ -72,7 +157,7 @@ class WebServer:
 
     def start(self) -> WebServer:
         manage = [sys.executable, "manage.py"]
-        subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=self.env, check=True)
+        self.database.migrate(self.env)
         made = subprocess.run([*manage, "shell", "-c", MAKE_KEYS], cwd=ROOT, env=self.env,
                               check=True, capture_output=True, text=True)
         self.keys = json.loads(made.stdout.strip().splitlines()[-1])
@@ -100,6 +185,7 @@ class WebServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.database.drop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:

@@ -1,8 +1,10 @@
 """The playground and the live admin pages in a real headless Chromium (Playwright driving
 Debian's /usr/bin/chromium) against real daphne and a real ``run_scheduler`` with Gemma.
-Screenshots land in docs/screenshots/."""
+Screenshots go to a temporary directory, or to ``SCREENSHOT_DIR`` when set (`make
+screenshots` points it at docs/screenshots/)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live_service import ROOT, RealDaemon, WebServer, shared_daemon, web_server
+from tests.live_service import ROOT, RealDaemon, WebServer, shared_daemon
 
 # A long reply to stop mid-way: within one tenant's KV share (KV_TENANT_SHARE 0.5 of the
 # live daemons' N_CTX 2048, prompt included).
@@ -19,7 +21,6 @@ LONG_MAX_TOKENS = 900
 
 pytestmark = pytest.mark.slow
 CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = ROOT / "docs" / "screenshots"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 MAKE_STAFF = ("from django.contrib.auth.models import User; "
@@ -29,8 +30,15 @@ TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
-def live() -> tuple[WebServer, RealDaemon]:
-    web = web_server()
+def shots(tmp_path_factory) -> Path:
+    """Where screenshots go: ``SCREENSHOT_DIR``, else a temporary directory (a test run
+    leaves the tracked docs/screenshots/ alone)."""
+    where = os.environ.get("SCREENSHOT_DIR")
+    return Path(where) if where else tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.fixture(scope="module")
+def live(web: WebServer) -> tuple[WebServer, RealDaemon]:
     subprocess.run([sys.executable, "manage.py", "shell", "-c", MAKE_STAFF], cwd=ROOT,
                    env=web.env, check=True)
     return web, shared_daemon(web)
@@ -97,7 +105,7 @@ def admin_page(context, live, which: str):
     return page
 
 
-def test_playground_streams_a_multi_turn_chat(context, live):
+def test_playground_streams_a_multi_turn_chat(context, live, shots):
     page = open_playground(context, live)
     page.fill("#system", "You are a terse assistant.")
     ask(page, "Name three colours.")
@@ -108,7 +116,7 @@ def test_playground_streams_a_multi_turn_chat(context, live):
     second = last_stats(page, "finish:")
     cached = int(re.search(r"(\d+) cached", second).group(1))
     assert cached > 0, second  # the resent history hit the tenant's prefix cache
-    page.screenshot(path=str(SHOTS / "playground.png"), full_page=True)
+    page.screenshot(path=str(shots / "playground.png"), full_page=True)
 
 
 def test_stop_cancels_mid_stream(context, live):
@@ -131,7 +139,7 @@ def test_a_wrong_key_shows_an_error(context, live):
     page.locator("#error").filter(has_text="Invalid API key").wait_for()
 
 
-def test_admin_slots_follow_a_stream_and_cancel_ends_it(context, live):
+def test_admin_slots_follow_a_stream_and_cancel_ends_it(context, live, shots):
     _, daemon = live
     client = open_playground(context, live)
     ask(client, "Tell a long story.", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
@@ -141,7 +149,7 @@ def test_admin_slots_follow_a_stream_and_cancel_ends_it(context, live):
     row.first.wait_for()
     assert "Alpha" in row.first.inner_text()
     slots.wait_for_timeout(1500)  # two polls: tokens/s is known
-    slots.screenshot(path=str(SHOTS / "admin-slots.png"), full_page=True)
+    slots.screenshot(path=str(shots / "admin-slots.png"), full_page=True)
     row.first.get_by_role("button", name="Cancel").click()
     slots.locator("#live-message").filter(has_text="Cancel sent").wait_for()
     assert "finish: cancelled" in last_stats(client, "finish:")
@@ -149,7 +157,7 @@ def test_admin_slots_follow_a_stream_and_cancel_ends_it(context, live):
     idle.first.wait_for(state="detached")
 
 
-def test_queue_cache_and_daemon_pages(context, live):
+def test_queue_cache_and_daemon_pages(context, live, shots):
     _, daemon = live
     # 2 slots and 8 KV blocks of 256 tokens: two 600-token requests run, the third waits.
     clients = [open_playground(context, live) for _ in range(3)]
@@ -157,21 +165,21 @@ def test_queue_cache_and_daemon_pages(context, live):
         ask(client, f"Story number {n}.", max_tokens=600, ignore_eos=True)
     queue = admin_page(context, live, "queue")
     queue.locator("#live-root tr", has_text=daemon.daemon_id).first.wait_for()
-    queue.screenshot(path=str(SHOTS / "admin-queue.png"), full_page=True)
+    queue.screenshot(path=str(shots / "admin-queue.png"), full_page=True)
     for client in clients:
         client.click("#stop")
     for client in clients:
         client.locator("#send:enabled").wait_for()
     cache = admin_page(context, live, "cache")
     cache.locator("#live-root tr", has_text="Alpha").first.wait_for()
-    cache.screenshot(path=str(SHOTS / "admin-cache.png"), full_page=True)
+    cache.screenshot(path=str(shots / "admin-cache.png"), full_page=True)
     daemons = admin_page(context, live, "daemons")
     daemons.on("dialog", lambda dialog: dialog.accept())
     row = daemons.locator("#live-root tr", has_text=daemon.daemon_id)
     row.get_by_role("button", name="Drain").click()
     row.filter(has_text="draining").wait_for()
     assert daemon.snapshot().get("draining") is True
-    daemons.screenshot(path=str(SHOTS / "admin-daemons.png"), full_page=True)
+    daemons.screenshot(path=str(shots / "admin-daemons.png"), full_page=True)
     row.get_by_role("button", name="Resume").click()
     row.filter(has_text="serving").wait_for()
     assert daemon.snapshot().get("draining") is False
