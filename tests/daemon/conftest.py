@@ -165,7 +165,8 @@ class HistoryDb:
         """One statement in its own committed transaction; with ``fetch``, its first row."""
         con = self.database.connect()
         try:
-            found = con.execute(sql, params).fetchone() if fetch else None
+            cursor = con.execute(sql, params)  # always: only the fetch is conditional
+            found = cursor.fetchone() if fetch else None
             con.commit()
             return found
         finally:
