@@ -21,7 +21,7 @@ from django.db.models import Model
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.urls import path
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_POST, require_safe
 
 from accounts.models import Tenant
 from inference import broker
@@ -150,6 +150,7 @@ def page_view(request: HttpRequest, page: str) -> HttpResponse:
     return render(request, "admin/live/page.html", context)
 
 
+@require_safe
 def state_view(request: HttpRequest) -> JsonResponse:
     """The live state as JSON (staff only, via admin_view)."""
     return JsonResponse(live_state(broker.live_daemons_sync()))
