@@ -2,13 +2,12 @@
 
 ::
 
-    STARTING --start()--> SERVING <--resume-- PAUSING --intake idle--> PAUSED
-                             |  \\--drain (operator)--^     ^--resume--'  |
-                             |                                           |
-                             +------ stop() (SIGTERM/SIGINT), from any of these ------+
-                                                   |
-                                                   v
-                          DRAINING --core stopped--> STOPPING --last flush--> STOPPED
+    STARTING --start()--> SERVING --drain--> PAUSING --intake idle--> PAUSED
+                             ^                  |                        |
+                             +-----resume-------+-----------resume-------+
+
+    STARTING | SERVING | PAUSING | PAUSED --stop()--> DRAINING --core stopped--> STOPPING
+    STOPPING --threads joined, last flush--> STOPPED
 
 - ``STARTING``: the consumer group is made, a first heartbeat goes out, the jobs this
   daemon id left pending in an earlier run are recovered. No thread runs yet.
