@@ -4,7 +4,7 @@ goes through is an entry point here.
 - the web creates a row when it admits a request (``create``), ends one it admitted but
   never queued (``abandon``), and closes one whose daemon died (``close_interrupted``);
 - the daemon reports ``running`` and the end through ``DatabaseHistory``, the sink
-  ``run_scheduler`` hands its transport (the daemon never imports this app's models).
+  ``run_scheduler`` hands the daemon (the daemon never imports this app's models).
 
 A row holds accounting, never prompt or completion text. Writes from the daemon never raise:
 the history must not stop token delivery. Each unit of database work starts and ends with
