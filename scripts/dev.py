@@ -42,6 +42,8 @@ DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
 DEFAULT_TEST_POSTGRES_URL = "postgres://llm_service:llm_service@127.0.0.1:5432/llm_service"
 POSTGRES_SOCKET_DIRS = ["/var/run/postgresql", "/tmp"]
 SCREENSHOTS = ROOT / "docs" / "screenshots"
+# The tests' SQLite run (pytest-django tests on an in-memory database, not this file).
+SQLITE_URL = f"sqlite:///{ROOT / 'db.sqlite3'}"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 STOP_GRACE_S = 15.0
 HEALTH_WAIT_S = 90.0
@@ -279,19 +281,20 @@ def ensure_test_postgres(url: str) -> str | None:
     import psycopg
 
     try:
-        for statement in _postgres_statements(url, admin):
-            admin(statement)
-            say(f"PostgreSQL at {where}: done: {_hide_password(statement)}")
+        # what is missing first; then, if the role exists but still cannot log in with the
+        # URL's password or create databases, give it those
+        for statements in (_postgres_statements(url, admin), _postgres_statements(url, admin)):
+            for statement in statements:
+                admin(statement)
+                say(f"PostgreSQL at {where}: done: {_hide_password(statement)}")
+            problem = _postgres_login_problem(url)
+            if problem is None:
+                say(f"PostgreSQL at {where}: role {user} and database {dbname} are ready.")
+                return url
     except (psycopg.Error, subprocess.CalledProcessError) as exc:
-        say(f"PostgreSQL at {where}: creating role {user} / database {dbname} failed ({exc}): "
-            "the database tests run on SQLite only.")
-        return None
-    problem = _postgres_login_problem(url)
-    if problem:
-        say(f"PostgreSQL at {where}: still {problem}: the database tests run on SQLite only.")
-        return None
-    say(f"PostgreSQL at {where}: role {user} and database {dbname} are ready.")
-    return url
+        problem = f"creating role {user} / database {dbname} failed ({exc})"
+    say(f"PostgreSQL at {where}: {problem}: the database tests run on SQLite only.")
+    return None
 
 
 def _postgres_listens(host: str | None, port: int) -> bool:
@@ -369,20 +372,23 @@ def _psycopg_runner(con):
 
 
 def _postgres_statements(url: str, admin) -> list[str]:
-    """The statements that give `url` its role and database (all of them when `admin` is
-    None, else those `admin` finds missing)."""
+    """The statements that give `url` its role and database: all of them when `admin` is
+    None; else CREATE for what is missing, and when nothing is, ALTER ROLE (login with the
+    URL's password, create databases)."""
     parts = urlsplit(url)
     user, password = unquote(parts.username or ""), unquote(parts.password or "")
     dbname = unquote(parts.path.lstrip("/"))
-    secret = f" PASSWORD {_sql_literal(password)}" if password else ""
-    role_exists = admin and admin(f"SELECT 1 FROM pg_roles WHERE rolname = {_sql_literal(user)}")
-    db_exists = admin and admin(f"SELECT 1 FROM pg_database WHERE datname = "
-                                f"{_sql_literal(dbname)}")
-    verb = "ALTER" if role_exists else "CREATE"
-    statements = [f"{verb} ROLE {_sql_name(user)} LOGIN CREATEDB{secret}"]
-    if not db_exists:
-        statements.append(f"CREATE DATABASE {_sql_name(dbname)} OWNER {_sql_name(user)}")
-    return statements
+    role = f"ROLE {_sql_name(user)} LOGIN CREATEDB"
+    role += f" PASSWORD {_sql_literal(password)}" if password else ""
+    create_db = f"CREATE DATABASE {_sql_name(dbname)} OWNER {_sql_name(user)}"
+    if admin is None:
+        return [f"CREATE {role}", create_db]
+    missing = []
+    if not admin(f"SELECT 1 FROM pg_roles WHERE rolname = {_sql_literal(user)}"):
+        missing.append(f"CREATE {role}")
+    if not admin(f"SELECT 1 FROM pg_database WHERE datname = {_sql_literal(dbname)}"):
+        missing.append(create_db)
+    return missing or [f"ALTER {role}"]
 
 
 def _sql_name(name: str) -> str:
@@ -527,12 +533,12 @@ def cmd_test(args: argparse.Namespace) -> int:
     with test_services() as env:
         postgres_url = ensure_test_postgres(
             os.environ.get("TEST_POSTGRES_URL", DEFAULT_TEST_POSTGRES_URL))
-        sqlite_url = f"sqlite:///{ROOT / 'db.sqlite3'}"  # pytest-django: an in-memory copy
-        results = [pytest_run("SQLite", "the whole suite", {**env, "DATABASE_URL": sqlite_url},
+        what = "the tests selected" if args.pytest_args else "the whole suite"
+        results = [pytest_run("SQLite", what, {**env, "DATABASE_URL": SQLITE_URL},
                               args.pytest_args)]
         if postgres_url:
             results.append(pytest_run(
-                f"PostgreSQL ({_hide_password(postgres_url)})", "the database tests",
+                "PostgreSQL", f"the database tests among {what}",
                 {**env, "DATABASE_URL": postgres_url}, only_marked("database", args.pytest_args)))
         else:
             results.append(("PostgreSQL", None, 0.0))
@@ -549,7 +555,7 @@ def cmd_screenshots(args: argparse.Namespace) -> int:
     """The browser tests, saving their screenshots in docs/screenshots/ (tests alone write
     them to a temporary directory)."""
     with test_services() as env:
-        env = {**env, "SCREENSHOT_DIR": str(SCREENSHOTS)}
+        env = {**env, "DATABASE_URL": SQLITE_URL, "SCREENSHOT_DIR": str(SCREENSHOTS)}
         _, code, _ = pytest_run("SQLite", "the browser tests", env,
                                 ["tests/test_browser.py", *args.pytest_args])
         if code == 0:
@@ -575,7 +581,8 @@ def test_services() -> Iterator[dict[str, str]]:
 def pytest_run(database: str, what: str, env: dict[str, str],
                pytest_args: list[str]) -> tuple[str, int | None, float]:
     """(database, pytest's exit status, seconds) of one pytest run."""
-    say(f"Running {what} on {database} (Redis: {env['TEST_REDIS_URL']}) ...")
+    say(f"Running {what} on {database} ({_hide_password(env['DATABASE_URL'])}; Redis: "
+        f"{env['TEST_REDIS_URL']}) ...")
     started = time.monotonic()
     code = subprocess.run([PY, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
     return database, code, time.monotonic() - started
