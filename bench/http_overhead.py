@@ -44,8 +44,8 @@ from _common import ROOT, machine, model_path
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.jobs import TokenEvent
 from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.state import TokenEvent
 from wire.sampling import SamplingParams
 
 PROMPT_TOKENS = 100

@@ -16,11 +16,10 @@ from typing import Any
 from adrf.views import APIView
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import StreamingHttpResponse
+from django.http import JsonResponse, StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
-from rest_framework.response import Response
 
 from inference import broker, service
 from inference.broker import StreamEvent
@@ -70,7 +69,7 @@ class CompletionView(APIView):
 
     kind: str
 
-    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+    async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         parsed = parse_request(self.kind, _json_body(request))
         submission = await service.submit(request.auth, parsed)
         formatter = Formatter(self.kind, submission.request_id, submission.model,
@@ -78,8 +77,10 @@ class CompletionView(APIView):
         if parsed.stream:
             return _sse_response(formatter, service.events(submission))
         text, final = await service.collect(submission)
-        return Response(formatter.whole(text, final),
-                        headers={"X-Request-Id": submission.request_id})
+        # Django's JsonResponse: a DRF Response is rendered on a thread (one more hop).
+        response = JsonResponse(formatter.whole(text, final))
+        response["X-Request-Id"] = submission.request_id
+        return response
 
 
 class ChatCompletionsView(CompletionView):
@@ -88,7 +89,7 @@ class ChatCompletionsView(CompletionView):
     kind = CHAT
 
     @_completion_schema(CHAT)
-    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+    async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         return await super().post(request)
 
 
@@ -98,7 +99,7 @@ class CompletionsView(CompletionView):
     kind = COMPLETION
 
     @_completion_schema(COMPLETION)
-    async def post(self, request: Request) -> Response | StreamingHttpResponse:
+    async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         return await super().post(request)
 
 

@@ -1,9 +1,11 @@
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from accounts.authentication import authenticate_key
-from accounts.models import ApiKey
+from accounts.models import ApiKey, Tenant
+from inference import auth
 from tests.conftest import bearer
 
 URL = "/v1/requests"
@@ -90,5 +92,55 @@ def test_last_used_at_is_written_at_most_once_a_minute(api, parties):
     assert ApiKey.objects.get(pk=parties.owner_key.pk).last_used_at == first
 
     ApiKey.objects.filter(pk=parties.owner_key.pk).update(last_used_at=first - timedelta(minutes=2))
+    auth.keys.forget()  # a bulk update bypasses the model: the key would be trusted 1 s more
     api.get(URL, **bearer(parties.owner))
     assert ApiKey.objects.get(pk=parties.owner_key.pk).last_used_at > first
+
+
+@pytest.fixture
+def fresh_cache():
+    auth.keys.forget()
+    yield
+    auth.keys.forget()
+
+
+def age_cached_keys(seconds: float) -> None:
+    for key in auth.keys._keys.values():
+        key.loaded_at -= seconds
+
+
+def test_a_key_is_read_from_the_database_once_a_second(api, parties, fresh_cache,
+                                                       django_assert_num_queries):
+    assert api.get("/v1/models", **bearer(parties.owner)).status_code == 200  # looked up
+    with django_assert_num_queries(0):
+        assert api.get("/v1/models", **bearer(parties.owner)).status_code == 200
+        assert_invalid_key(api.get("/v1/models", **bearer(parties.owner + "x")))  # its secret
+    age_cached_keys(auth.KEY_CACHE_S)
+    with django_assert_num_queries(1):
+        assert api.get("/v1/models", **bearer(parties.owner)).status_code == 200
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: ApiKey.objects.filter(pk=p.owner_key.pk).update(revoked_at=timezone.now()),
+    lambda p: Tenant.objects.filter(pk=p.a.pk).update(is_active=False),
+], ids=["revoked", "tenant-deactivated"])
+def test_a_bulk_update_takes_effect_within_the_cache_second(api, parties, fresh_cache, change):
+    """A change that bypasses the model (a bulk update, another process) is seen when the
+    cached key is KEY_CACHE_S old."""
+    assert api.get(URL, **bearer(parties.owner)).status_code == 200
+    change(parties)
+    assert api.get(URL, **bearer(parties.owner)).status_code == 200  # still trusted
+    age_cached_keys(auth.KEY_CACHE_S)
+    assert_invalid_key(api.get(URL, **bearer(parties.owner)))
+
+
+def test_a_model_change_takes_effect_at_once(api, parties, fresh_cache):
+    assert api.get(URL, **bearer(parties.member)).status_code == 200
+    parties.a.is_active = False
+    parties.a.save()
+    assert_invalid_key(api.get(URL, **bearer(parties.member)))
+    parties.a.is_active = True
+    parties.a.save()
+    assert api.get(URL, **bearer(parties.member)).status_code == 200
+    ApiKey.objects.get(name="member").delete()
+    assert_invalid_key(api.get(URL, **bearer(parties.member)))
