@@ -118,7 +118,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Django's connection pool (psycopg_pool): every thread, a request's or a long-lived
     # one, borrows a connection and gives it back (CONN_MAX_AGE must stay 0 with a pool).
-    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = env_bool("DATABASE_POOL", True)
+    # DATABASE_POOL=false: a connection per request thread, kept by the long-lived ones.
+    if env_bool("DATABASE_POOL", True):
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = True
+    else:
+        DATABASES["default"]["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 600)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
