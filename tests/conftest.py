@@ -55,12 +55,12 @@ class Parties:
 
 
 @pytest.fixture
-def parties(transactional_db: None) -> Parties:
-    """Committed, not inside the test's transaction: the web's async code reaches the
-    database through channels' database_sync_to_async (or inference/db.py's thread), which
-    runs close_old_connections around each call. Inside a test's transaction that closes
-    the test's own connection: a no-op on SQLite's in-memory test database, "the connection
-    is closed" on PostgreSQL (channels' testing advice: transactional tests)."""
+def parties(db: None) -> Parties:
+    """Inside the test's transaction. The web's async code reaches the database through
+    inference/db.py, which in-process tests run on the test's thread and which leaves a
+    connection inside a transaction open: close_old_connections there would close the
+    test's own connection (a no-op on SQLite's in-memory test database, "the connection is
+    closed" on PostgreSQL)."""
     a = Tenant.objects.create(slug="alpha", name="Alpha")
     b = Tenant.objects.create(slug="beta", name="Beta")
     owner_key, owner = ApiKey.issue(a, "owner")

@@ -113,7 +113,11 @@ class OwnDatabase:
         s = self._settings
         args = {"dbname": dbname, "host": s.get("HOST") or None, "port": s.get("PORT") or None,
                 "user": s.get("USER") or None, "password": s.get("PASSWORD") or None}
-        return {**{k: v for k, v in args.items() if v is not None}, **s.get("OPTIONS", {})}
+        return {**{k: v for k, v in args.items() if v is not None}, **self._libpq_options()}
+
+    def _libpq_options(self) -> dict[str, str]:
+        """OPTIONS that are libpq's (sslmode...), not Django's own (pool, ...)."""
+        return {k: v for k, v in self._settings.get("OPTIONS", {}).items() if isinstance(v, str)}
 
     def _postgres_url(self) -> str:
         s = self._settings
@@ -122,7 +126,7 @@ class OwnDatabase:
         login = f"{user}:{password}@" if password else (f"{user}@" if user else "")
         host = quote(s.get("HOST") or "", safe="")
         port = f":{s['PORT']}" if s.get("PORT") else ""
-        options = {k: v for k, v in s.get("OPTIONS", {}).items() if isinstance(v, str)}
+        options = self._libpq_options()
         query = f"?{urlencode(options)}" if options else ""
         return f"postgres://{login}{host}{port}/{quote(self.name, safe='')}{query}"
 
