@@ -124,6 +124,9 @@ for i = 1, #held, 2 do
     redis.call('HDEL', KEYS[2], held[i])
   end
 end
+local function extend(key, ttl)  -- a key's TTL only grows: it holds others' members too
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
+end
 local function refuse(counter, code, limit, how, retry, used)
   redis.call('HINCRBY', counter, code, 1)
   return table.concat({limit, how, math.max(1, math.ceil(retry)), used, reserved}, ':')
@@ -213,10 +216,10 @@ end
 redis.call('HINCRBY', KEYS[3], string.format('%d', math.floor(now)), 1)
 redis.call('EXPIRE', KEYS[3], {WINDOW_KEY_TTL_S})
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+extend(KEYS[1], ARGV[4])
 if want > 0 then
   redis.call('HSET', KEYS[2], ARGV[2], want)
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  extend(KEYS[2], ARGV[4])
 end
 return 'ok'
 """
@@ -233,8 +236,17 @@ if concurrent >= 0 and running >= concurrent then
   return refuse(KEYS[3], ARGV[6], 'concurrency', how, 1, running)
 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
+extend(KEYS[1], ARGV[5])
 return 'ok'
+"""
+
+# Push a held slot's expiry on, and its key's TTL with it (never shorter).
+# KEYS: in-flight; ARGV: member, expiry, ttl (whole seconds)
+_RENEW_SLOT = """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return 1
 """
 
 
@@ -269,9 +281,11 @@ def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | No
 
 
 def renew_slot(client: Any, tenant_id: str, member: str, ttl_s: float, now: float) -> Any:
-    """Push a held slot's expiry to ``ttl_s`` from ``now``, only if it is still held.
-    Returns the client's reply (awaitable with an asyncio client)."""
-    return client.zadd(inflight_key(tenant_id), {member: now + ttl_s}, xx=True)
+    """Push a held slot's expiry to ``ttl_s`` from ``now``, only if it is still held, and
+    the in-flight key's TTL with it (else a resume read for longer than the key's TTL would
+    vanish with the key). Returns the client's reply (awaitable with an asyncio client)."""
+    return client.eval(_RENEW_SLOT, 1, inflight_key(tenant_id), member, repr(now + ttl_s),
+                       max(1, math.ceil(ttl_s)))
 
 
 def free_slot(client: Any, tenant_id: str, member: str) -> Any:
