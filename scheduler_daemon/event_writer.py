@@ -197,7 +197,8 @@ class EventWriter:
         ended: list[tuple[str, str, int]] = []  # (tenant id, request id, tokens used)
         for item in items:
             if item.kind in protocol.TERMINAL:
-                self.history.mark_finished(
+                self._history(
+                    self.history.mark_finished,
                     item.request_id,
                     item.data.get("finish_reason", "error"),
                     item.data.get("usage"),
@@ -230,9 +231,20 @@ class EventWriter:
             raise
         for item in items:
             if item.kind == protocol.ACCEPTED:
-                self.history.mark_running(item.request_id, item.data["prompt_tokens"])
+                self._history(
+                    self.history.mark_running, item.request_id, item.data["prompt_tokens"]
+                )
             elif item.kind in protocol.TERMINAL:
                 self._log_end(item)
+
+    @staticmethod
+    def _history(mark: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
+        """A sink call that cannot lose the flush: it runs after the buffer was taken, so an
+        exception here would drop every event of this flush (requests that never end)."""
+        try:
+            mark(request_id, *args, **kwargs)
+        except Exception:
+            log.exception("the history sink failed for %s; its events go out anyway", request_id)
 
     def _log_end(self, item: Outgoing) -> None:
         usage = item.data.get("usage") or {}

@@ -85,3 +85,33 @@ def test_the_job_entry_is_acknowledged_with_the_end_even_if_it_ends_while_held(
         assert real.xpending(writer.jobs_stream, protocol.JOBS_GROUP)["pending"] == 0
     finally:
         real.delete(writer.jobs_stream, protocol.events_stream(request_id))
+
+
+class BrokenHistory:
+    """A history sink that breaks its promise never to raise (a bug, a database driver)."""
+
+    def mark_running(self, request_id, prompt_tokens):
+        raise RuntimeError("the database is gone")
+
+    def mark_finished(self, request_id, finish_reason, usage, timings, error_code=""):
+        raise RuntimeError("the database is gone")
+
+
+def test_a_history_sink_that_raises_never_loses_a_requests_events():
+    """The sink runs inside the flush, after the buffer was taken: an exception there used
+    to drop every event of that flush (the request never ended; its slot leaked)."""
+    real = redis_conn()
+    writer = EventWriter(real, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", Lifecycle(),
+                         history=BrokenHistory())
+    request_id = uuid.uuid4().hex
+    stream = protocol.events_stream(request_id)
+    try:
+        writer.hold(request_id)
+        writer.accepted(request_id, "0-1", prompt_tokens=4)
+        writer.on_event(TokenEvent(request_id, "Hi", 1))
+        writer.on_event(finished(request_id))
+        writer.flush()
+        kinds = [protocol.decode_event(f)[0] for _, f in real.xrange(stream)]
+        assert kinds == ["accepted", "token", "done"]
+    finally:
+        real.delete(stream)
