@@ -32,6 +32,11 @@ from .event_writer import EventWriter
 log = logging.getLogger(__name__)
 
 QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never run again
+# XCLAIM's min idle time: a dead daemon's entries have been idle at least this long (its
+# heartbeat key outlives it by more), and a claim resets the idle time, so when two daemons
+# reclaim the same dead one at once only the first claim of each entry wins (at 0 the
+# second took the entries back and both daemons served the job).
+CLAIM_MIN_IDLE_MS = 1000
 
 
 class Recovery:
@@ -75,15 +80,17 @@ class Recovery:
                     self.jobs_stream,
                     protocol.JOBS_GROUP,
                     self.daemon_id,
-                    min_idle_time=0,
+                    min_idle_time=CLAIM_MIN_IDLE_MS,
                     message_ids=ids,
                 )
                 if ids
                 else []
             )
-            reclaimed += self._recover_all(claimed, name)
-            self.redis.xgroup_delconsumer(self.jobs_stream, protocol.JOBS_GROUP, name)
-            log.warning("reclaimed %d pending jobs of dead daemon %s", len(claimed), name)
+            if claimed:  # else another daemon won them: its recovery needs the running record
+                reclaimed += self._recover_all(claimed, name)
+                log.warning("reclaimed %d pending jobs of dead daemon %s", len(claimed), name)
+            if not ids:  # deleting a consumer drops its pending entries: only an empty one
+                self.redis.xgroup_delconsumer(self.jobs_stream, protocol.JOBS_GROUP, name)
         return reclaimed
 
     def reclaim_own(self) -> int:
