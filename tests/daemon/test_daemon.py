@@ -46,6 +46,7 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert row["prompt_tokens"] == 6 and row["ttft_ms"] > 0 and row["finished"]
     pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0  # acknowledged once its last event was written
+    wait_log(daemon, "request_end")  # logged after the events' pipeline: it may trail the done
     [line] = [
         json.loads(line.split("scheduler_daemon.requests: ", 1)[1])
         for line in daemon.log_path.read_text().splitlines()
@@ -163,6 +164,7 @@ def test_sigterm_drains_and_exits_cleanly(make_daemon):
     _, kind, done = daemon.events(job.id, timeout_s=5)[-1]
     assert (kind, done["finish_reason"]) == ("done", "length")
     assert done["usage"]["completion_tokens"] == 300  # it ran to its end, not cancelled
+    wait_log(daemon, "request_end")
     log = daemon.log_path.read_text()
     [end_line] = [i for i, line in enumerate(log.splitlines()) if "request_end" in line
                   and job.id in line]
