@@ -88,6 +88,10 @@ class EventWriter:
         """Remember a request's tenant: its usage and its log line name it at the end."""
         self._tenants[request_id] = tenant_id
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request with this id started here and its end is not yet written."""
+        return request_id in self._tenants
+
     def hold(self, request_id: str) -> None:
         """Hold the request's events until ``accepted`` or ``release`` (it is being submitted)."""
         with self._cond:

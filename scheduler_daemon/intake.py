@@ -214,6 +214,15 @@ class Intake:
             self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
 
     def _start_job(self, entry_id: str, job: protocol.Job) -> None:
+        if self.writer.is_live(job.id):
+            # The id's event stream, running record and slot belong to the live request: an
+            # answer to this entry would be a second end in that stream. Only a writer other
+            # than the web (which makes a new uuid per request) can send one.
+            log.warning("job %s: a request with this id is running here; entry %s dropped",
+                        job.id, entry_id)
+            self.rejected[errors.DUPLICATE_ID] += 1
+            self.ack_quietly(entry_id)
+            return
         self.writer.track(job.id, job.tenant_id)
         fingerprint = job_fingerprint(job)
         pipe = self.redis.pipeline(transaction=False)

@@ -145,6 +145,39 @@ def test_a_job_of_the_wrong_shape_is_refused_naming_the_field(intake):
     assert intake.rejected["invalid_request_error"] == 1
 
 
+class AcceptingCore:
+    """A core that accepts every job and runs none (its requests stay live)."""
+
+    listeners: list = []
+
+    def __init__(self) -> None:
+        self.enqueued: list[str] = []
+
+    def enqueue(self, **kwargs):
+        self.enqueued.append(kwargs["request_id"])
+        return 3
+
+    def cancel(self, request_id: str) -> bool:
+        return False
+
+
+def test_a_second_job_with_a_live_requests_id_leaves_that_request_alone(intake):
+    intake.core = AcceptingCore()
+    first = job(prompt="x")
+    kind, data = start(intake, first)
+    assert kind == "accepted"
+    intake.redis.xadd(intake.jobs_stream, first.encode())  # the same id again (a rogue writer)
+    [(entry_id, fields)] = intake._read(1)  # noqa: SLF001 - one read, no thread
+    intake.start_job_safely(entry_id.decode(), protocol.Job.decode(fields))
+    intake.writer.flush()
+    assert intake.core.enqueued == [first.id]  # the duplicate never reached the core
+    assert not intake.redis.exists(protocol.events_stream(first.id))  # nothing written for it
+    assert intake.redis.hexists(intake.running_key, first.id)  # the live request's record stays
+    assert intake.rejected["duplicate_request_id"] == 1
+    pending = intake.redis.xpending_range(intake.jobs_stream, protocol.JOBS_GROUP, "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] != [entry_id.decode()]  # acknowledged
+
+
 # -- the lifecycle -------------------------------------------------------------------------------
 
 
