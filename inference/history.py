@@ -14,6 +14,7 @@ Django's ``close_old_connections`` (connections kept by ``CONN_MAX_AGE``, checke
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from django.db import close_old_connections
@@ -53,41 +54,53 @@ def close_interrupted(request_id: str, error_code: str) -> int | None:
 
 
 class DatabaseHistory:
-    """The daemon's history sink (``scheduler_daemon.history.HistorySink``)."""
+    """The daemon's history sink (``scheduler_daemon.history.HistorySink``). Never raises."""
 
     def mark_running(self, request_id: str, prompt_tokens: int) -> None:
         """The daemon accepted the request (never reopens a row that is already closed)."""
-        self._update(request_id, only_if_status=status.QUEUED, status=status.RUNNING,
-                     started=timezone.now(), prompt_tokens=prompt_tokens)
+        _write(request_id, _running_fields, prompt_tokens, only_if_status=status.QUEUED)
 
     def mark_finished(self, request_id: str, finish_reason: str, usage: dict[str, Any] | None,
                       timings: dict[str, Any] | None, error_code: str = "") -> None:
         """The request ended (done, cancelled or error): its accounting."""
-        fields: dict[str, Any] = {
-            "status": status.from_finish_reason(finish_reason),
-            "finish_reason": finish_reason,
-            "error_code": error_code,
-            "finished": timezone.now(),
-        }
-        if usage:
-            fields.update(
-                prompt_tokens=usage["prompt_tokens"],
-                completion_tokens=usage["completion_tokens"],
-                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
-            )
-        if timings:
-            fields.update(ttft_ms=timings.get("ttft_ms"), duration_ms=timings.get("duration_ms"))
-        self._update(request_id, **fields)
+        _write(request_id, _finished_fields, finish_reason, usage, timings, error_code)
 
-    @staticmethod
-    def _update(request_id: str, only_if_status: str | None = None, **fields: Any) -> None:
-        try:
-            close_old_connections()
-            rows = InferenceRequest.objects.filter(id=request_id)  # raises for a non-UUID id
-            if only_if_status is not None:
-                rows = rows.filter(status=only_if_status)
-            rows.update(**fields)
-        except Exception:  # the history must never take the daemon down
-            log.exception("could not update history row %s", request_id)
-        finally:
-            close_old_connections()
+
+def _write(request_id: str, make_fields: Callable[..., dict[str, Any]], *args: Any,
+           only_if_status: str | None = None) -> None:
+    """``make_fields(*args)`` written to the row; any failure (a usage dict of the wrong
+    shape included) is logged, never raised: history must not stop token delivery."""
+    try:
+        fields = make_fields(*args)
+        close_old_connections()
+        rows = InferenceRequest.objects.filter(id=request_id)  # raises for a non-UUID id
+        if only_if_status is not None:
+            rows = rows.filter(status=only_if_status)
+        rows.update(**fields)
+    except Exception:
+        log.exception("could not update history row %s", request_id)
+    finally:
+        close_old_connections()
+
+
+def _running_fields(prompt_tokens: int) -> dict[str, Any]:
+    return {"status": status.RUNNING, "started": timezone.now(), "prompt_tokens": prompt_tokens}
+
+
+def _finished_fields(finish_reason: str, usage: dict[str, Any] | None,
+                     timings: dict[str, Any] | None, error_code: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "status": status.from_finish_reason(finish_reason),
+        "finish_reason": finish_reason,
+        "error_code": error_code,
+        "finished": timezone.now(),
+    }
+    if usage:
+        fields.update(
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        )
+    if timings:
+        fields.update(ttft_ms=timings.get("ttft_ms"), duration_ms=timings.get("duration_ms"))
+    return fields

@@ -217,7 +217,7 @@ class Scheduler:
                 self._requests[req.id] = req
                 self._waiting.push(req.cache_scope, req)
                 self.counters["submitted"] += 1
-        except Refusal:
+        except BaseException:  # a refusal, or a bug: the native sampler is freed either way
             sampler.close()
             raise
         self._work.set()
