@@ -166,7 +166,9 @@ def run_http(port: int, key: str, model: str, prompts: list[list[int]], new_toke
 class Stack:
     """daphne + run_scheduler on a temporary SQLite database, stopped by ``close``."""
 
-    def __init__(self, redis_url: str, n_parallel: int, threads: int, model: str) -> None:
+    def __init__(self, redis_url: str, n_parallel: int, threads: int, model: str,
+                 root: Path = ROOT) -> None:
+        self.root = root  # the checkout whose daphne and daemon run
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
         self.port = _free_port()
         self.model = model
@@ -199,7 +201,8 @@ class Stack:
         daphne = [sys.executable, "-m", "daphne", "-p", str(self.port), "config.asgi:application"]
         for argv in ([*manage, "run_scheduler", "--grace", "1"], daphne):
             self.procs.append(
-                subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                subprocess.Popen(argv, cwd=self.root, env=self.env, stdout=log,
+                                 stderr=subprocess.STDOUT)
             )
         deadline = time.monotonic() + 180
         while not self._model_served():
@@ -211,7 +214,7 @@ class Stack:
 
     def _run(self, argv: list[str]) -> str:
         return subprocess.run(
-            argv, cwd=ROOT, env=self.env, check=True, capture_output=True, text=True
+            argv, cwd=self.root, env=self.env, check=True, capture_output=True, text=True
         ).stdout
 
     def _model_served(self) -> bool:
@@ -230,7 +233,8 @@ class Stack:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-        self._run([sys.executable, "-c", _DROP_JOBS, self.env["REDIS_URL"], self.model])
+        subprocess.run([sys.executable, "-c", _DROP_JOBS, self.env["REDIS_URL"], self.model],
+                       cwd=ROOT, env=self.env, check=True)  # this checkout's wire names
         if not keep_logs:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
