@@ -94,3 +94,22 @@ def test_an_error_event_becomes_its_codes_http_error(data, status, code):
 
 def test_non_api_exception_is_left_to_django():
     assert exception_handler(ValueError("boom"), {}) is None
+
+
+@pytest.mark.django_db
+def test_an_unexpected_error_in_a_view_is_a_json_500(parties, monkeypatch):
+    """Django's handler500 answers in the API's shape (DEBUG off: the default)."""
+    from django.test import Client
+
+    from inference import service
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(service, "submit", broken)
+    reply = Client(raise_request_exception=False).post(
+        "/v1/completions", {"prompt": "x"}, content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {parties.owner}")
+    assert reply.status_code == 500
+    assert reply.json()["error"]["code"] == "internal_error"
+    assert reply.json()["error"]["type"] == "server_error"
