@@ -150,3 +150,20 @@ def test_tests_use_the_test_redis(redis_client):
     assert settings.REDIS_URL == os.environ["REDIS_URL"] == TEST_REDIS_URL
     assert redis_client.ping()
     assert redis_client.connection_pool.connection_kwargs.get("db", 0) != 0
+
+
+def test_database_connections_are_kept_by_long_lived_threads_or_pooled():
+    """SQLite: CONN_MAX_AGE keeps the web's database thread's connection (and the daemon
+    writer's); PostgreSQL: Django's pool (CONN_MAX_AGE 0), or persistent when it is off.
+    Health checks either way."""
+    script = ("import json; from django.conf import settings as s; d = s.DATABASES['default']; "
+              "print(json.dumps([d['CONN_MAX_AGE'], d['CONN_HEALTH_CHECKS'], "
+              "d.get('OPTIONS', {}).get('pool')]))")
+    postgres = "postgres://u@db.invalid:5432/x"
+    for env, expected in (({}, [600, True, None]),
+                          ({"DATABASE_URL": postgres}, [0, True, True]),
+                          ({"DATABASE_URL": postgres, "DATABASE_POOL": "false"},
+                           [600, True, None])):
+        result = manage("shell", "-c", script, DEBUG="true", **env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, env
