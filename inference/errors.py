@@ -181,6 +181,3 @@ def server_error(request: HttpRequest) -> HttpResponse:
         return _json(ApiError(codes.INTERNAL_ERROR,
                               "The server had an error processing your request."))
     return defaults.server_error(request)
-
-
-# -- the OpenAPI schema --------------------------------------------------------------------------
