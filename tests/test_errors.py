@@ -113,3 +113,24 @@ def test_an_unexpected_error_in_a_view_is_a_json_500(parties, monkeypatch):
     assert reply.status_code == 500
     assert reply.json()["error"]["code"] == "internal_error"
     assert reply.json()["error"]["type"] == "server_error"
+
+
+def test_the_docs_error_table_names_codes_of_the_table_with_their_statuses():
+    """docs/api.md's error table and wire.errors.CODES agree: every code a row names is in
+    the table, answered with the row's status (streamed errors arrive as events instead)."""
+    import re
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parent.parent.joinpath("docs", "api.md").read_text()
+    table = text.split("| case | HTTP | `code` |", 1)[1].split("\n\n", 1)[0]
+    rows = ["header"] + [line for line in table.splitlines() if line.startswith("| ")]
+    checked = 0
+    for row in rows[1:]:
+        _, status_cell, code_cell = (cell.strip() for cell in row.strip("|").rsplit("|", 2))
+        statuses = [int(s) for s in re.findall(r"\b([1-5]\d\d)\b", status_cell)]
+        named = re.sub(r"\(.*?\)", "", code_cell).split("param")[0]  # not details or params
+        for code in re.findall(r"`([a-z_]+)`", named):
+            assert code in CODES, f"docs/api.md names {code!r}, which wire/errors.py lacks"
+            assert CODES[code].status in statuses, (code, CODES[code].status, statuses)
+            checked += 1
+    assert checked >= 20  # the table has ~25 rows: a parse that finds none fails

@@ -2,8 +2,8 @@
 
 Both sides name codes from here: the daemon raises ``Refusal`` (before a job starts) or
 writes an ``error`` event (after acceptance); the web answers with ``CODES[code]``'s status
-and type in OpenAI's shape ({"error": {"message", "type", "param", "code"}}). The table
-in docs/api.md is generated from nothing else: ``tests/test_errors.py`` checks the two agree.
+and type in OpenAI's shape ({"error": {"message", "type", "param", "code"}}). docs/api.md's
+error table names only codes of this table, with their statuses (``tests/test_errors.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ CODES: dict[str, ErrorCode] = _codes(
     # the request itself
     ("invalid_request_error", 400, "a field has a wrong type or value; param names it"),
     ("parse_error", 400, "the body is not JSON"),
+    ("missing_required_parameter", 400, "a required field is missing"),
+    ("unknown_parameter", 400, "a field the API does not know"),
+    ("unsupported_parameter", 400, "a known field with a value not supported here"),
+    ("invalid_message", 400, "a websocket message of the wrong shape"),
     ("request_too_large", 400, "the body is larger than the web accepts"),
     ("empty_prompt", 400, "the prompt has no tokens"),
     ("context_length_exceeded", 400, "prompt + max_tokens exceed the context (or a tenant share)"),
