@@ -82,5 +82,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke selected keys")
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
-        self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
+        keys = list(queryset.filter(revoked_at__isnull=True))
+        for key in keys:  # one save each: this process's key cache forgets each key at once
+            key.revoke()
+        self.message_user(request, f"Revoked {len(keys)} key(s).", messages.SUCCESS)

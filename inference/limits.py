@@ -55,7 +55,7 @@ def key_limits_sync(api_key: ApiKey) -> Limits:
     """The tenant's limits as loaded with ``api_key`` if that was at most FRESH_KEY_S ago (a
     REST request authenticates every time), else as the database has them now (a
     websocket keeps its key for the connection)."""
-    loaded_at = getattr(api_key, "loaded_at", None)
+    loaded_at = api_key.loaded_at
     if loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S:
         tenant = api_key.tenant
         return Limits(**{f: getattr(tenant, f) for f in FIELDS})
