@@ -59,16 +59,6 @@ class UsageQuerySerializer(serializers.Serializer):
         return {"start": start, "end": end}
 
 
-class UsageRowSerializer(serializers.Serializer):
-    date = serializers.DateField()
-    model = serializers.CharField()
-    requests = serializers.IntegerField()
-    prompt_tokens = serializers.IntegerField()
-    cached_tokens = serializers.IntegerField()
-    completion_tokens = serializers.IntegerField()
-    total_tokens = serializers.IntegerField()
-
-
 class UsageTotalsSerializer(serializers.Serializer):
     requests = serializers.IntegerField()
     prompt_tokens = serializers.IntegerField()
@@ -77,18 +67,29 @@ class UsageTotalsSerializer(serializers.Serializer):
     total_tokens = serializers.IntegerField()
 
 
-class UsageLimitsSerializer(serializers.Serializer):
-    requests_per_minute = serializers.IntegerField(allow_null=True)
-    tokens_per_minute = serializers.IntegerField(allow_null=True)
-    max_concurrent = serializers.IntegerField(allow_null=True)
-    monthly_token_budget = serializers.IntegerField(allow_null=True)
+class UsageRowSerializer(UsageTotalsSerializer):
+    """One day and model's totals."""
+
+    date = serializers.DateField()
+    model = serializers.CharField()
+
+    def get_fields(self) -> dict:
+        fields = super().get_fields()  # date and model first, as the rows have always been
+        return {name: fields.pop(name) for name in ("date", "model")} | fields
 
 
-class UsageCurrentSerializer(serializers.Serializer):
-    requests_this_minute = serializers.IntegerField()
-    tokens_this_minute = serializers.IntegerField()
-    tokens_this_month = serializers.IntegerField()
-    concurrent = serializers.IntegerField()
+def _counts(name: str, fields: tuple[str, ...], allow_null: bool = False) -> type:
+    """A serializer of integer fields (the schema names it ``name``)."""
+    attrs = {field: serializers.IntegerField(allow_null=allow_null) for field in fields}
+    return type(name, (serializers.Serializer,), attrs)
+
+
+UsageLimitsSerializer = _counts("UsageLimitsSerializer", (
+    "requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget",
+), allow_null=True)
+UsageCurrentSerializer = _counts("UsageCurrentSerializer", (
+    "requests_this_minute", "tokens_this_minute", "tokens_this_month", "concurrent",
+))
 
 
 class UsageSerializer(serializers.Serializer):

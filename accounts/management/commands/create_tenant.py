@@ -1,18 +1,15 @@
-from typing import Any
+from django.core.management.base import CommandError
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
-
+from accounts.management.commands._tenant_command import TenantCommand
 from accounts.models import Tenant
 
 
-class Command(BaseCommand):
+class Command(TenantCommand):
     help = "Create a tenant. Then: manage.py create_api_key <slug>"
+    slug_help = "unique short name, e.g. acme"
+    name_help = "display name (default: the slug)"
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("slug", help="unique short name, e.g. acme")
-        parser.add_argument("--name", default="", help="display name (default: the slug)")
-
-    def handle(self, *args: Any, slug: str, name: str, **options: Any) -> None:
+    def handle_tenant(self, slug: str, name: str) -> None:
         if Tenant.objects.filter(slug=slug).exists():
             raise CommandError(f"Tenant {slug!r} already exists.")
         tenant = Tenant(slug=slug, name=name or slug)
