@@ -13,10 +13,12 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema_field
 from rest_framework import serializers
 
 from wire import errors as codes
+from wire import sampling
+from wire.messages import ROLES
 
 
 class ApiKeyScheme(OpenApiAuthenticationExtension):
@@ -73,41 +75,76 @@ class StreamOptionsSerializer(serializers.Serializer):
     include_usage = serializers.BooleanField(required=False)
 
 
-class CommonRequestSerializer(serializers.Serializer):
-    """Fields of both endpoints (docs/api.md, "Request fields")."""
+def _ranged(name: str, **kwargs: Any) -> serializers.Field:
+    """A numeric request field with the range ``wire.sampling`` checks."""
+    lo, hi = sampling.RANGES[name]
+    field = serializers.IntegerField if isinstance(lo, int) else serializers.FloatField
+    return field(required=False, min_value=lo, max_value=hi, **kwargs)
 
-    model = serializers.CharField(required=False, help_text="default: the server's MODEL_NAME")
+
+@extend_schema_field({"oneOf": [{"type": "string", "minLength": 1},
+                                {"type": "array", "items": {"type": "string", "minLength": 1},
+                                 "maxItems": sampling.MAX_STOP_STRINGS}],
+                      "nullable": True, "description": "a string or a list of strings"})
+class StopField(serializers.JSONField):
+    pass
+
+
+class CommonRequestSerializer(serializers.Serializer):
+    """Fields of both endpoints (docs/api.md, "Request fields"), with the ranges the web
+    checks (wire/sampling.py)."""
+
+    model = serializers.CharField(required=False, min_length=1,
+                                  help_text="default: the server's MODEL_NAME")
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptionsSerializer(required=False, allow_null=True)
-    max_tokens = serializers.IntegerField(required=False, allow_null=True)
-    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True)
-    temperature = serializers.FloatField(required=False)
-    top_p = serializers.FloatField(required=False)
-    top_k = serializers.IntegerField(required=False)
-    min_p = serializers.FloatField(required=False)
-    repeat_penalty = serializers.FloatField(required=False)
-    frequency_penalty = serializers.FloatField(required=False)
-    presence_penalty = serializers.FloatField(required=False)
-    penalty_last_n = serializers.IntegerField(required=False)
-    seed = serializers.IntegerField(required=False, allow_null=True)
-    stop = serializers.JSONField(required=False, help_text="a string or a list of strings")
-    logit_bias = serializers.DictField(child=serializers.FloatField(), required=False,
-                                       help_text='{"<token id>": bias}')
+    max_tokens = _ranged("max_tokens", allow_null=True)
+    max_completion_tokens = _ranged("max_tokens", allow_null=True)
+    temperature = _ranged("temperature")
+    top_p = _ranged("top_p")
+    top_k = _ranged("top_k")
+    min_p = _ranged("min_p")
+    repeat_penalty = _ranged("repeat_penalty")
+    frequency_penalty = _ranged("frequency_penalty")
+    presence_penalty = _ranged("presence_penalty")
+    penalty_last_n = _ranged("penalty_last_n")
+    seed = _ranged("seed", allow_null=True)
+    stop = StopField(required=False)
+    logit_bias = serializers.DictField(child=serializers.FloatField(min_value=-100, max_value=100),
+                                       required=False, help_text='{"<token id>": bias}')
     ignore_eos = serializers.BooleanField(required=False)
     grammar = serializers.CharField(required=False, help_text="GBNF")
     json_schema = serializers.DictField(required=False)
     response_format = serializers.DictField(required=False, allow_null=True)
     cache_prompt = serializers.BooleanField(required=False, allow_null=True)
-    session = serializers.CharField(required=False, allow_null=True,
+    session = serializers.CharField(required=False, allow_null=True, max_length=200,
                                     help_text="keeps a conversation on one slot (prefix cache)")
     user = serializers.CharField(required=False, help_text="taken as the session when none")
-    n = serializers.IntegerField(required=False, help_text="only 1")
+    n = serializers.ChoiceField([1], required=False, help_text="only 1")
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                "properties": {"type": {"type": "string", "enum": ["text"]},
+                                               "text": {"type": "string"}}}},
+], "description": 'a string or a list of {"type": "text", "text": ...} parts'})
+class ContentField(serializers.JSONField):
+    pass
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+], "description": "a string, a list of token ids, or a one-string list"})
+class PromptField(serializers.JSONField):
+    pass
 
 
 class ChatMessageSerializer(serializers.Serializer):
-    role = serializers.ChoiceField(["system", "developer", "user", "assistant", "tool"])
-    content = serializers.JSONField(help_text='a string or a list of {"type": "text", '
-                                              '"text": ...} parts')
+    role = serializers.ChoiceField(sorted(ROLES))
+    content = ContentField()
 
 
 class ChatCompletionRequestSerializer(CommonRequestSerializer):
@@ -115,8 +152,7 @@ class ChatCompletionRequestSerializer(CommonRequestSerializer):
 
 
 class CompletionRequestSerializer(CommonRequestSerializer):
-    prompt = serializers.JSONField(help_text="a string, a list of token ids, or a one-string "
-                                             "list")
+    prompt = PromptField()
 
 
 class PromptTokensDetailsSerializer(serializers.Serializer):

@@ -9,6 +9,8 @@ Set by the test through the environment:
   default ``MODEL_NAME``, which no daemon here serves), at 503 ``scheduler_unavailable``.
   An empty or non-printable model (NUL, a surrogate) is left as generated: the web must
   refuse it. ``GET /v1/models/{model}`` asks for it every other time.
+- Every other completion body loses its ``grammar``, ``json_schema``, ``response_format``
+  and ``logit_bias`` (random ones are refused; the other half still sends them).
 - ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` above it, up to the
   context, become it (bounded generation on two cores); larger values are left alone (the
   refusal path: ``context_length_exceeded``).
@@ -35,6 +37,7 @@ MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "8"))
 N_CTX = int(os.environ.get("N_CTX", "2048"))
 LOG = os.environ.get("FUZZ_LOG")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+CONSTRAINTS = ("grammar", "json_schema", "response_format", "logit_bias")
 _seen_ids: list[str] = []
 _swaps: dict[str, int] = {}  # per operation: swap every other generated value
 
@@ -48,6 +51,9 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         if model is None or (isinstance(model, str) and model and model.isprintable()
                              and _is_text(model)):
             body["model"] = MODEL
+        if _turn("constraints"):  # every other call: no free-form constraint fields, whose
+            for name in CONSTRAINTS:  # random values are nearly always refused, so that some
+                body.pop(name, None)  # generated requests reach the model
         for name in ("max_tokens", "max_completion_tokens"):
             value = body.get(name)
             if type(value) is int and MAX_TOKENS < value <= N_CTX:

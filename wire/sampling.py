@@ -155,20 +155,33 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+# The numeric fields' ranges (inclusive): checked here, published in the OpenAPI schema.
+RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 5.0),
+    "top_k": (0, 1_000_000),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repeat_penalty": (0.01, 10.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+    "penalty_last_n": (0, 8192),
+    "seed": (0, 2**32 - 2),
+    "max_tokens": (1, 1_000_000),
+}
+
+
+def _ranged(name: str, value: Any) -> float | int:
+    lo, hi = RANGES[name]
+    if isinstance(lo, int):
+        return _integer(name, value, lo, int(hi))
+    return _number(name, value, lo, hi)
+
+
 _CHECKS: dict[str, Any] = {
-    "temperature": lambda n, v: _number(n, v, 0.0, 5.0),
-    "top_k": lambda n, v: _integer(n, v, 0, 1_000_000),
-    "top_p": lambda n, v: _number(n, v, 0.0, 1.0),
-    "min_p": lambda n, v: _number(n, v, 0.0, 1.0),
-    "repeat_penalty": lambda n, v: _number(n, v, 0.01, 10.0),
-    "frequency_penalty": lambda n, v: _number(n, v, -2.0, 2.0),
-    "presence_penalty": lambda n, v: _number(n, v, -2.0, 2.0),
-    "penalty_last_n": lambda n, v: _integer(n, v, 0, 8192),
-    "seed": lambda n, v: _integer(n, v, 0, 2**32 - 2),
+    **{name: _ranged for name in RANGES},
     "logit_bias": _logit_bias,
     "grammar": _grammar,
     "json_schema": _json_schema,
-    "max_tokens": lambda n, v: _integer(n, v, 1, 1_000_000),
     "stop": _stop,
     "ignore_eos": _bool,
 }
