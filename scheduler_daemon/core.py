@@ -198,23 +198,12 @@ class InferenceCore:
 
     # -- requests -----------------------------------------------------------------
 
-    def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        messages: Any = None,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        cache_scope: str = "",
-        session: str | None = None,
-        cache_prompt: bool | None = None,
-        max_queued: int | None = None,
-    ) -> RequestHandle:
-        """``enqueue``, and a handle that receives this request's events."""
+    def submit(self, prompt: str | list[int] | None = None, request_id: str | None = None,
+               **arguments: Any) -> RequestHandle:
+        """``enqueue`` (same arguments), and a handle that receives this request's events."""
         handle = RequestHandle(request_id or uuid.uuid4().hex, self)
-        handle.prompt_tokens = self.enqueue(
-            prompt, messages, params, handle.id, cache_scope, session, cache_prompt, max_queued,
-            handle=handle,
-        )
+        handle.prompt_tokens = self.enqueue(prompt, request_id=handle.id, handle=handle,
+                                            **arguments)
         return handle
 
     def enqueue(
