@@ -239,10 +239,22 @@ class InferenceCore:
             arrival=arrival,
             max_queued=max_queued,
         )
-        with self.scheduler.lock:  # events are emitted under it: none can outrun the handle
-            self.scheduler.submit(request)  # refuses a duplicate id before the handle goes in
-            if handle is not None:
-                self._handles[request.id] = handle
+        if handle is None:  # the daemon's path: the scheduler refuses a duplicate id itself
+            self.scheduler.submit(request)
+            return len(tokens)
+        # The handle goes in before the request is queued (events are emitted under the
+        # scheduler's lock: none can outrun it), but the submit runs outside that lock: it
+        # compiles the request's grammar, and every tick waits for the lock.
+        with self.scheduler.lock:
+            if request.id in self._handles or request.id in self.scheduler.request_ids():
+                raise Refusal(errors.DUPLICATE_ID, f"request id {request.id} is already in use")
+            self._handles[request.id] = handle
+        try:
+            self.scheduler.submit(request)
+        except BaseException:
+            with self.scheduler.lock:
+                self._handles.pop(request.id, None)
+            raise
         return len(tokens)
 
     def prompt_tokens(self, prompt: str | list[int] | None, messages: Any) -> list[int]:
