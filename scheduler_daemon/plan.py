@@ -23,14 +23,20 @@ class Phase(StrEnum):
 
 @dataclass(slots=True)
 class PlannedRow:
-    """One request's row in the tick's batch."""
+    """One request's row in the tick's batch (its sequence id is ``row.seq_id``)."""
 
-    request_id: str
-    seq_id: int
     phase: Phase
     row: BatchRow
     request: RequestState = field(repr=False, compare=False)
     slot: Slot = field(repr=False, compare=False)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+    @property
+    def seq_id(self) -> int:
+        return self.row.seq_id
 
     @property
     def n_tokens(self) -> int:

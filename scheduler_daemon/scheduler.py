@@ -555,7 +555,7 @@ class Scheduler:
             if slot.state is SlotState.GENERATING and used < budget:
                 req = slot.request
                 row = BatchRow(slot.seq_id, (req.output[-1],), len(slot.tokens), True)
-                plan.rows.append(PlannedRow(req.id, slot.seq_id, Phase.DECODE, row, req, slot))
+                plan.rows.append(PlannedRow(Phase.DECODE, row, req, slot))
                 used += 1
         n = len(self._slots)
         prefilling = sorted(
@@ -578,7 +578,7 @@ class Scheduler:
             take = min(self.config.chunk_size, room, len(req.prompt) - done)
             last = done + take == len(req.prompt)
             row = BatchRow(slot.seq_id, req.prompt[done : done + take], done, last)
-            plan.rows.append(PlannedRow(req.id, slot.seq_id, Phase.PREFILL, row, req, slot))
+            plan.rows.append(PlannedRow(Phase.PREFILL, row, req, slot))
             used += take
         self._in_flight = plan.request_ids
         self.tick_rows = list(self._in_flight)
