@@ -172,6 +172,12 @@ WEB_DB_THREAD = True
 # The web's waits: for a daemon to take a queued job, and for a whole request.
 ACCEPT_TIMEOUT_S = env_float("ACCEPT_TIMEOUT_S", 30.0)
 REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
+# Nothing lost (docs/faults.md): a request's events stay this long after its last event; a
+# request whose daemon died waits this long for another to continue it; a request whose
+# reader went away runs on this long for a client to resume it.
+STREAM_RETENTION_S = env_int("STREAM_RETENTION_S", 600)
+RECOVERY_TIMEOUT_S = env_float("RECOVERY_TIMEOUT_S", 60.0)
+RESUME_GRACE_S = env_float("RESUME_GRACE_S", 10.0)
 # Each web process's Redis (inference/broker.py): the pool's size, how many of its
 # connections are kept from blocking readers, how many streams/resumes may be read at once
 # (past it: 503 service_unavailable), how long a command waits for a connection.

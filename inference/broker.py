@@ -264,10 +264,7 @@ async def daemon_alive(daemon_id: str) -> bool:
 
 async def enqueue(job: protocol.Job) -> None:
     """Queue a job for the daemons of its model."""
-    await async_client().xadd(
-        protocol.jobs_stream(job.model), job.encode(),
-        maxlen=protocol.JOBS_MAXLEN, approximate=True,
-    )
+    await async_client().xadd(protocol.jobs_stream(job.model), job.encode())
 
 
 async def read_events(
@@ -363,7 +360,7 @@ async def write_interrupted(request_id: str, message: str) -> bool:
     did (SET NX guard shared with the daemons). True when this call wrote it."""
     client = async_client()
     won = await client.set(
-        protocol.interrupted_key(request_id), "web", nx=True, ex=protocol.EVENTS_TTL_S
+        protocol.interrupted_key(request_id), "web", nx=True, ex=protocol.STREAM_RETENTION_S
     )
     if not won:
         return False
@@ -371,7 +368,7 @@ async def write_interrupted(request_id: str, message: str) -> bool:
     data = {"code": protocol.INFERENCE_INTERRUPTED, "message": message, "finish_reason": "error"}
     pipe = client.pipeline(transaction=False)
     pipe.xadd(stream, protocol.encode_event(protocol.ERROR, data))
-    pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
+    pipe.expire(stream, protocol.STREAM_RETENTION_S)
     await pipe.execute()
     return True
 

@@ -220,9 +220,9 @@ class EventWriter:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
             if item.kind == protocol.ACCEPTED:
-                pipe.expire(stream, protocol.EVENTS_TTL_S)
+                pipe.expire(stream, protocol.STREAM_RETENTION_S)
             elif item.kind in protocol.TERMINAL:
-                pipe.expire(stream, protocol.EVENTS_TTL_AFTER_END_S)
+                pipe.expire(stream, protocol.STREAM_RETENTION_S)
                 pipe.hdel(self.running_key, item.request_id)
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)

@@ -147,7 +147,7 @@ class Recovery:
             self.requeue(entry_id, job)
             return
         if self.redis.set(
-            protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.EVENTS_TTL_S
+            protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.STREAM_RETENTION_S
         ):
             self.writer.track(job.id, job.tenant_id)
             data = {

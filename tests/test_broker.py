@@ -70,7 +70,7 @@ async def test_write_interrupted_is_written_once(r, request_id):
     assert len(entries) == 1
     kind, data = protocol.decode_event(entries[0][1])
     assert (kind, data["code"]) == ("error", "inference_interrupted")
-    assert 0 < r.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+    assert 0 < r.ttl(protocol.events_stream(request_id)) <= protocol.STREAM_RETENTION_S
 
 
 async def test_enqueue_and_read_events(r, request_id):

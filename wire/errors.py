@@ -53,6 +53,7 @@ CODES: dict[str, ErrorCode] = _codes(
     ("events_expired", 404, "the request's event stream has expired"),
     ("method_not_allowed", 405, "wrong HTTP method"),
     ("duplicate_request_id", 409, "a request with this id is already running"),
+    ("idempotency_key_reused", 409, "an Idempotency-Key sent again with a different body"),
     # limits
     ("rate_limited", 429, "too many requests"),
     ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
@@ -86,6 +87,8 @@ INTERNAL_ERROR = "internal_error"
 INFERENCE_INTERRUPTED = "inference_interrupted"
 SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
 REQUEST_QUARANTINED = "request_quarantined"
+TIMEOUT = "timeout"
+SERVICE_UNAVAILABLE = "service_unavailable"
 
 
 def status_of(code: str | None) -> int:

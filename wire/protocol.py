@@ -4,13 +4,14 @@ Every key name and message shape lives here; both sides import this module and n
 module spells a key. Nothing here imports llama_cpp or Django.
 
 Jobs      ``llm:jobs:<model>``       Stream, consumer group ``daemons``; field ``job`` = JSON
-                                     (``Job``). One daemon gets each job; it XACKs the entry
-                                     after writing the job's terminal event.
+                                     (``Job``). One daemon gets each job; it XACKs and XDELs
+                                     the entry with the job's terminal event (no prompt text
+                                     stays in Redis after a request ends).
 Events    ``llm:events:<request>``   Stream per request; fields ``type`` and ``data`` (JSON).
                                      Types: accepted, token, done, error. Entry ids are the
                                      SSE event ids (resume with XREAD after the last one seen).
-                                     Expires EVENTS_TTL_S after acceptance and
-                                     EVENTS_TTL_AFTER_END_S after the terminal event.
+                                     Expires ``Job.retention()`` (STREAM_RETENTION_S) after
+                                     its last event.
 Cancel    ``llm:cancelled:<request>`` flag with a TTL (durable: checked before a job starts)
           ``llm:cancel``             pub/sub channel of request ids (fast: aborts in-flight work)
 Daemons   ``llm:daemons``            sorted set: daemon id -> last heartbeat (unix seconds)
@@ -39,10 +40,22 @@ DAEMONS_ZSET = f"{PREFIX}:daemons"
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 3.0  # a daemon silent this long is dead
-EVENTS_TTL_S = 3600  # an accepted request's stream lives at least this long
-EVENTS_TTL_AFTER_END_S = 600  # ...and this long after its last event (for resumes)
+# A request's events stream expires this long after its last event (setting
+# STREAM_RETENTION_S; a client may resume until then). Requests sent with an
+# Idempotency-Key keep theirs IDEMPOTENCY_TTL_S (the retry replays them): ``Job.retention_s``.
+STREAM_RETENTION_S = 600
+IDEMPOTENCY_TTL_S = 24 * 3600
 CANCEL_TTL_S = 3600
-JOBS_MAXLEN = 10_000  # approximate trim of the jobs stream on enqueue
+# The jobs stream is never trimmed: the daemons delete each entry when its request ends
+# (XACK + XDEL), so it holds only jobs not yet ended. The web refuses an enqueue (503)
+# when it holds this many (a backlog no daemon is reading).
+JOBS_MAX_PENDING = 10_000
+# A job whose daemon died is continued by another (recovery.py); the web waits this long
+# for one to take it over before it ends the request with inference_interrupted (setting).
+RECOVERY_TIMEOUT_S = 60.0
+# A request whose reader went away (dropped connection) runs on this long for a client to
+# resume it (setting RESUME_GRACE_S); past it, the daemon cancels it.
+RESUME_GRACE_S = 10.0
 
 # Event types
 ACCEPTED = "accepted"
@@ -60,6 +73,24 @@ def jobs_stream(model: str) -> str:
 
 def events_stream(request_id: str) -> str:
     return f"{PREFIX}:events:{request_id}"
+
+
+def owner_key(request_id: str) -> str:
+    """Which daemon owns a started request: set by the daemon that starts it, handed to the
+    one that continues it after a death, taken by the web ("web") when it gives up on it.
+    Only the owner may write the request's end (each move is a compare-and-set)."""
+    return f"{PREFIX}:owner:{request_id}"
+
+
+def watch_key(request_id: str) -> str:
+    """Kept alive by the web while some reader follows the request (``Job.watched``): when it
+    expires (RESUME_GRACE_S after the last reader left), the daemon cancels the request."""
+    return f"{PREFIX}:watch:{request_id}"
+
+
+def idempotency_key(tenant_id: str, key_digest: str) -> str:
+    """A tenant's Idempotency-Key (its sha256): JSON {request_id, body}; IDEMPOTENCY_TTL_S."""
+    return f"{PREFIX}:idem:{tenant_id}:{key_digest}"
 
 
 def cancel_key(request_id: str) -> str:
@@ -135,6 +166,9 @@ class Job:
     cache_prompt: bool | None = None
     max_queued: int | None = None  # the tenant's cap on waiting jobs (None: MAX_QUEUE_PER_TENANT)
     enqueued_at: float = field(default_factory=time.time)
+    deadline: float | None = None  # unix seconds: the daemon ends it with ``timeout`` after
+    watched: bool = False  # the web keeps ``watch_key`` alive while a reader follows it
+    retention_s: int | None = None  # its events stream's retention (None: STREAM_RETENTION_S)
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""
@@ -144,6 +178,10 @@ class Job:
     def decode(cls, fields: dict[Any, Any]) -> Job:
         raw = fields.get(b"job", fields.get("job"))
         return cls(**json.loads(raw))
+
+    def retention(self) -> int:
+        """Seconds its events stream lives after its last event."""
+        return int(self.retention_s or STREAM_RETENTION_S)
 
 
 def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:

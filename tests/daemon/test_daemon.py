@@ -39,7 +39,7 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     ids = [entry_id for entry_id, _, _ in events]
     assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))  # resumable order
     assert (
-        0 < daemon.redis.ttl(protocol.events_stream(request_id)) <= protocol.EVENTS_TTL_AFTER_END_S
+        0 < daemon.redis.ttl(protocol.events_stream(request_id)) <= protocol.STREAM_RETENTION_S
     )
     row = db.row(request_id)
     assert row["status"] == "done" and row["completion_tokens"] == usage["completion_tokens"]
