@@ -21,7 +21,7 @@ from django.conf import settings
 
 from config.env import env_float
 from inference.errors import ApiError
-from wire import protocol
+from wire import ownership, protocol
 
 SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 
@@ -355,22 +355,21 @@ def publish_cancel_sync(request_id: str) -> None:
     pipe.execute()
 
 
-async def write_interrupted(request_id: str, message: str) -> bool:
-    """End a request's stream with ``inference_interrupted``, unless someone else already
-    did (SET NX guard shared with the daemons). True when this call wrote it."""
-    client = async_client()
-    won = await client.set(
-        protocol.interrupted_key(request_id), "web", nx=True, ex=protocol.STREAM_RETENTION_S
-    )
-    if not won:
-        return False
-    stream = protocol.events_stream(request_id)
-    data = {"code": protocol.INFERENCE_INTERRUPTED, "message": message, "finish_reason": "error"}
-    pipe = client.pipeline(transaction=False)
-    pipe.xadd(stream, protocol.encode_event(protocol.ERROR, data))
-    pipe.expire(stream, protocol.STREAM_RETENTION_S)
-    await pipe.execute()
-    return True
+async def give_up(request_id: str, owner: str, message: str) -> bool:
+    """End a request with ``inference_interrupted`` if ``owner`` (a dead daemon; "" for
+    none) still owns it: no daemon took it over within RECOVERY_TIMEOUT_S. One script, so a
+    daemon continuing it meanwhile and this call cannot both win (wire/ownership.py). True
+    when this call wrote the end."""
+    keys, args = ownership.give_up_args(request_id, owner, message,
+                                        int(setting("STREAM_RETENTION_S",
+                                                    protocol.STREAM_RETENTION_S)))
+    return bool(await async_client().eval(ownership.GIVE_UP, len(keys), *keys, *args))
+
+
+async def owner_of(request_id: str) -> str | None:
+    """The request's owner now (a daemon id, "web"), None when it has none."""
+    owner = await async_client().get(protocol.owner_key(request_id))
+    return None if owner is None else _text(owner)
 
 
 def _text(value: Any) -> str:

@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
 
+import redis
 from django.conf import settings
 from django.utils import timezone
 
@@ -26,7 +27,7 @@ from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
-from wire import protocol
+from wire import errors, ownership, protocol
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +144,22 @@ async def _wait_first(request_id: str, model: str) -> StreamEvent:
 
 
 async def _wait_first_read(request_id: str, model: str) -> StreamEvent:
-    deadline = time.monotonic() + settings.ACCEPT_TIMEOUT_S
+    """The job is in the jobs stream: a daemon that dies or restarts meanwhile leaves it
+    there for the next one, so no live daemon is a wait (up to RECOVERY_TIMEOUT_S), not an
+    answer; ACCEPT_TIMEOUT_S bounds the whole wait."""
+    now = time.monotonic()
+    deadline = now + settings.ACCEPT_TIMEOUT_S
+    none_since: float | None = None  # when no live daemon served the model any more
     while True:
         events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1)
         if events:
             return events[0]
-        if model not in await broker.live_models() or time.monotonic() > deadline:
+        now = time.monotonic()
+        if model in await broker.live_models():
+            none_since = None
+        else:
+            none_since = none_since or now
+        if now > deadline or (none_since and now - none_since >= settings.RECOVERY_TIMEOUT_S):
             await broker.publish_cancel(request_id)  # a daemon that comes later must not run it
             await close_row(request_id, protocol.SCHEDULER_UNAVAILABLE)
             raise unavailable(model)
@@ -194,12 +205,22 @@ async def _follow(request_id: str, after: str, model: str, daemon_id: str | None
             daemon_id = first.data.get("daemon_id")
     deadline = time.monotonic() + settings.REQUEST_TIMEOUT_S
     guard_ticks = 0
+    gone_since: float | None = None  # when the daemon serving it was first seen gone
     while True:
-        batch = await broker.read_events(request_id, after, BLOCK_MS)
+        try:
+            batch = await broker.read_events(request_id, after, BLOCK_MS)
+        except redis.ConnectionError:  # Redis stayed away (broker.read_events retried)
+            yield _synthetic_error(errors.SERVICE_UNAVAILABLE,
+                                   "The service lost its queue (Redis); the request's end is "
+                                   "unknown. Resume it with its last event id.")
+            return
         for event in batch:
             after = event.entry_id or after
             if event.kind == protocol.ACCEPTED:
                 daemon_id = event.data.get("daemon_id")
+                gone_since = None
+                if event.data.get("resumed"):  # another daemon took it over: not news
+                    continue
             yield event
             if event.is_terminal:
                 return
@@ -212,11 +233,22 @@ async def _follow(request_id: str, after: str, model: str, daemon_id: str | None
                 yield _synthetic_error(protocol.INFERENCE_INTERRUPTED, "The daemon stopped.")
                 return
         elif not await _serving(daemon_id, model):
-            guard_ticks = await _interrupt(request_id, daemon_id)
+            # A daemon that died is a pause: a live one (or its restart) continues the
+            # request; only when none has within RECOVERY_TIMEOUT_S is it interrupted.
+            now = time.monotonic()
+            gone_since = gone_since or now
+            if now - gone_since >= settings.RECOVERY_TIMEOUT_S:
+                taken_by = await _interrupt(request_id, daemon_id)
+                if taken_by is None:
+                    guard_ticks = 1
+                else:  # a daemon took it over as we gave up: follow it
+                    daemon_id, gone_since = taken_by, None
         elif time.monotonic() > deadline:
             await broker.publish_cancel(request_id)
             yield _synthetic_error("timeout", "The request took too long and was cancelled.")
             return
+        else:
+            gone_since = None
 
 
 RESUME_SLOT_TTL_S = 30.0  # a resume's slot expires unless its reader renews it...
@@ -284,15 +316,21 @@ async def _serving(daemon_id: str | None, model: str) -> bool:
     return model in await broker.live_models()
 
 
-async def _interrupt(request_id: str, daemon_id: str | None) -> int:
-    """Write the interrupted event (if first) and close the row; 1 when someone else won."""
+async def _interrupt(request_id: str, daemon_id: str | None) -> str | None:
+    """Give up on a request no daemon took over: write its ``inference_interrupted`` (if its
+    owner is still ``daemon_id``) and close its row. None when its end is written (here or
+    by whoever won); else the daemon that owns it now."""
     who = f"daemon {daemon_id}" if daemon_id else "no scheduler daemon"
     if daemon_id is None:
         await broker.publish_cancel(request_id)
-    if await broker.write_interrupted(request_id, f"The request was interrupted: {who} is gone."):
+    message = f"The request was interrupted: {who} is gone and none took it over."
+    if await broker.give_up(request_id, daemon_id or "", message):
         await close_row(request_id, protocol.INFERENCE_INTERRUPTED)
-        return 0
-    return 1
+        return None
+    owner = await broker.owner_of(request_id)
+    if owner is None or owner == ownership.WEB or owner == daemon_id:
+        return None  # ended (its terminal event is on its way) or given up elsewhere
+    return owner
 
 
 async def _ended_before(request_id: str, after: str) -> bool:

@@ -40,7 +40,7 @@ from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
 from .scheduler import Scheduler, SchedulerConfig
-from .state import Event, FinishedEvent, Request, TickStats, TokenEvent
+from .state import Continuation, Event, FinishedEvent, Request, TickStats, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +158,28 @@ class InferenceCore:
         self._thread = threading.Thread(target=self._loop, name="scheduler-loop", daemon=True)
         self._thread.start()
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, let in-flight work finish for ``grace_s``, cancel the rest, join."""
+    def stop(self, grace_s: float = 10.0, hand_back: bool = False) -> list[str]:
+        """Stop admitting, let in-flight work finish for ``grace_s``, then cancel the rest,
+        join. ``hand_back`` (the daemon): requests not started are dropped at once and the
+        rest after the grace instead of cancelled, without an end (another daemon serves or
+        continues them); returns their ids."""
         self.scheduler.stop_admitting()
+        handed_back = self.scheduler.hand_back(waiting_only=True) if hand_back else []
         deadline = time.monotonic() + grace_s
         while self.scheduler.has_work() and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.scheduler.cancel_all()
+            if hand_back:  # requests waiting for a slot are better served elsewhere now
+                handed_back += self.scheduler.hand_back(waiting_only=True)
+        if hand_back:
+            handed_back += self.scheduler.hand_back()
+        else:
+            self.scheduler.cancel_all()
         while self.scheduler.has_work() and self._thread and self._thread.is_alive():
             time.sleep(0.01)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        return handed_back
 
     def _loop(self) -> None:
         """Tick until stopped. A tick that raises fails the requests of its batch, not every
@@ -217,6 +227,7 @@ class InferenceCore:
         cache_prompt: bool | None = None,
         max_queued: int | None = None,
         handle: RequestHandle | None = None,
+        continuation: Continuation | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -238,6 +249,7 @@ class InferenceCore:
             cache_prompt=cache_prompt,
             arrival=arrival,
             max_queued=max_queued,
+            continuation=continuation,
         )
         if handle is None:  # the daemon's path: the scheduler refuses a duplicate id itself
             self.scheduler.submit(request)

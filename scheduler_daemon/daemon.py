@@ -94,17 +94,23 @@ class SchedulerDaemon:
         log.info("daemon %s serving model %r", self.daemon_id, self.model)
 
     def stop(self, grace_s: float) -> None:
-        """DRAINING: stop taking jobs (unread ones stay in the stream for the next daemon),
-        let in-flight requests finish for ``grace_s``, then cancel the rest. STOPPING: the
-        threads end, every last event is written, the heartbeat key goes. STOPPED."""
+        """DRAINING: stop taking jobs (unread ones stay in the stream for the next daemon;
+        read ones not started stay pending under this id), hand back at once the requests
+        still waiting for a slot, let those in flight finish for ``grace_s``, then hand back
+        the rest (another daemon continues them: nothing queued is cancelled by a restart).
+        STOPPING: the threads end, every last event is written, the handed-back jobs lose
+        their running record (no crash to count), the heartbeat key goes. STOPPED."""
         if not self.lifecycle.move(State.DRAINING):
             return  # stopping already
         self._join("intake", "prepare")
-        self.core.stop(grace_s)
+        handed_back = self.core.stop(grace_s, hand_back=True)
+        if handed_back:
+            log.warning("handing back %d requests to the jobs stream", len(handed_back))
         self.lifecycle.move(State.STOPPING)
         self.writer.wake(force=True)
         self._join("cancels", "control", "writer", "heartbeat")
         self.writer.flush()
+        self.writer.handed_back(handed_back)
         self.heartbeat.remove()
         self.lifecycle.move(State.STOPPED)
         log.info("daemon %s stopped", self.daemon_id)

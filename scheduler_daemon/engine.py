@@ -566,6 +566,36 @@ class LlamaSampler:
         lc.llama_sampler_accept(self._chain, token)
         return token
 
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Advance this sampler over tokens generated before (a request continued after its
+        daemon died): its grammar and penalties see them as if they were sampled here.
+        Each is checked against the grammar first (llama.cpp aborts the process on a token
+        the grammar does not allow); a disallowed one raises ``SamplingFailed``. Runs on the
+        preparer thread: its candidates array is its own, not the engine's."""
+        if self._chain is None:
+            return
+        cand = None
+        if self._constraints is not None:
+            cand = np.zeros(self._engine.n_vocab, _TOKEN_DATA)
+        for token in tokens:
+            if not 0 <= token < self._engine.n_vocab:
+                raise SamplingFailed(f"replayed token {token} is outside the vocabulary")
+            if cand is not None:
+                cand["id"] = self._engine._candidate_ids
+                cand["logit"] = 0.0
+                cand["p"] = 0.0
+                arr = lc.llama_token_data_array(
+                    data=cand.ctypes.data_as(lc.llama_token_data_p),
+                    size=cand.size,
+                    selected=-1,
+                    sorted=False,
+                )
+                lc.llama_sampler_apply(self._constraints, ctypes.byref(arr))
+                if not np.isfinite(cand["logit"][token]):
+                    raise SamplingFailed("a replayed token does not follow the grammar")
+                lc.llama_sampler_accept(self._constraints, token)
+            lc.llama_sampler_accept(self._chain, token)
+
     def _allowed(self, cand: np.ndarray) -> np.ndarray:
         """After the constraints (candidates still in token id order): which tokens the
         grammar allows. Some token must be left, and not only an end-of-generation token

@@ -4,8 +4,10 @@ The scheduler thread hands every event to ``on_event`` (with its lock held: buff
 only). The writer thread flushes when something is due: a request's ``accepted``, its
 first text and its end at once, later tokens ``stream_interval_s`` after the previous write
 (consecutive tokens of a request become one ``token`` event, ``n_tokens`` says how many).
-One flush writes everything buffered in one pipeline: the events, the stream TTLs, the
-XACK of finished jobs and the removal of their running record, and each finished request's
+One flush writes everything buffered in one pipeline: the events, the stream TTLs (each
+request's retention after its last event), the XACK and XDEL of finished jobs (no prompt
+text stays in Redis) and the removal of their running record and owner, and each finished
+request's
 usage (``protocol.record_usage``: tenant limits, ``inference/limits.py``) ahead of its
 terminal event. History rows are closed through the ``history`` sink *before* the terminal
 event goes out (a client that saw ``done`` finds its row final). If Redis fails, the
@@ -81,12 +83,19 @@ class EventWriter:
         self._streaming: set[str] = set()  # requests whose first text has been buffered
         self._entries: dict[str, str] = {}  # accepted request id -> its jobs-stream entry id
         self._tenants: dict[str, str] = {}  # request id -> tenant id (usage, request log)
+        self._retention: dict[str, int] = {}  # request id -> its stream's retention (s)
+        self._resumed: dict[str, int] = {}  # request id -> times it was continued (if any)
 
     # -- from the intake (preparer thread) --------------------------------------------------
 
-    def track(self, request_id: str, tenant_id: str) -> None:
-        """Remember a request's tenant: its usage and its log line name it at the end."""
+    def track(self, request_id: str, tenant_id: str,
+              retention_s: int = protocol.STREAM_RETENTION_S, resumed: int = 0) -> None:
+        """Remember a request's tenant (its usage and its log line name it at the end), its
+        stream's retention, and how many times it has been continued after a death."""
         self._tenants[request_id] = tenant_id
+        self._retention[request_id] = retention_s
+        if resumed:
+            self._resumed[request_id] = resumed
 
     def is_live(self, request_id: str) -> bool:
         """Whether a request with this id started here and its end is not yet written."""
@@ -104,8 +113,13 @@ class EventWriter:
 
     def accepted(self, request_id: str, entry_id: str, prompt_tokens: int) -> None:
         """Queue ``accepted``, then the events held since ``hold``; the job's entry is
-        acknowledged with its terminal event."""
-        data = {"daemon_id": self.daemon_id, "prompt_tokens": prompt_tokens, "model": self.model}
+        acknowledged with its terminal event. A continued request's ``accepted`` says
+        ``resumed`` (the web follows the new daemon and sends the client nothing for it)."""
+        data: dict[str, Any] = {
+            "daemon_id": self.daemon_id, "prompt_tokens": prompt_tokens, "model": self.model,
+        }
+        if request_id in self._resumed:
+            data["resumed"] = self._resumed[request_id]
         with self._cond:
             held = self._buffer.held.pop(request_id, [])
             ended = [item for item in held if item.kind in protocol.TERMINAL]
@@ -130,10 +144,13 @@ class EventWriter:
     def on_event(self, event: Event) -> None:
         """Core listener: buffer only."""
         if isinstance(event, TokenEvent):
-            data = {"text": event.text, "n_tokens": event.n_tokens}
+            data = {"text": event.text, "n_tokens": event.n_tokens, "ids": list(event.tokens)}
             item = Outgoing(event.request_id, protocol.TOKEN, data)
         else:
             item = Outgoing(event.request_id, *finished_payload(event))
+            resumed = self._resumed.get(event.request_id)
+            if resumed:
+                item.data["resumed"] = resumed
         with self._cond:
             held = self._buffer.held.get(event.request_id)
             if held is not None:
@@ -150,6 +167,25 @@ class EventWriter:
             self._buffer.items.append(item)
             if item.kind in protocol.TERMINAL:
                 self._cond.notify()
+
+    def handed_back(self, request_ids: list[str]) -> None:
+        """Requests the core dropped without an end (a stopping daemon): their entries stay
+        pending, unacknowledged, for the next daemon; their running records go (a hand-back
+        is no crash: it must not count toward the quarantine). Called after the last flush
+        of their events was queued."""
+        with self._cond:
+            for request_id in request_ids:
+                self._entries.pop(request_id, None)
+                self._streaming.discard(request_id)
+        if request_ids:
+            self.redis.hdel(self.running_key, *request_ids)
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._tenants.pop(request_id, None)
+        self._retention.pop(request_id, None)
+        self._resumed.pop(request_id, None)
 
     def wake(self, force: bool = False) -> None:
         """After each tick: let the writer go if what it holds is due (or ``force``)."""
@@ -216,16 +252,19 @@ class EventWriter:
         now = time.time()
         for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
             limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)
+        expiring: dict[str, int] = {}  # stream -> retention, once per stream per flush
         for item in items:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
-            if item.kind == protocol.ACCEPTED:
-                pipe.expire(stream, protocol.STREAM_RETENTION_S)
-            elif item.kind in protocol.TERMINAL:
-                pipe.expire(stream, protocol.STREAM_RETENTION_S)
+            expiring[stream] = self._retention.get(item.request_id, protocol.STREAM_RETENTION_S)
+            if item.kind in protocol.TERMINAL:
                 pipe.hdel(self.running_key, item.request_id)
+                pipe.delete(protocol.owner_key(item.request_id))
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
+                    pipe.xdel(self.jobs_stream, item.entry_id)
+        for stream, retention_s in expiring.items():
+            pipe.expire(stream, retention_s)
         try:
             pipe.execute()
         except redis.RedisError:
@@ -267,6 +306,9 @@ class EventWriter:
             "ttft_ms": timings.get("ttft_ms"),
             "duration_ms": timings.get("duration_ms"),
         }
+        if item.data.get("resumed"):
+            line["resumed"] = item.data["resumed"]
+        self._forget(item.request_id)
         request_log.info(json.dumps(line, separators=(",", ":")))
 
 
@@ -300,6 +342,7 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
             prev.data = {
                 "text": prev.data["text"] + item.data["text"],
                 "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"],
+                "ids": prev.data.get("ids", []) + item.data.get("ids", []),
             }
             continue
         out.append(item)

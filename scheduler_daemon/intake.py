@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from wire import errors, protocol
+from wire import errors, ownership, protocol
 from wire.errors import Refusal
 
 from .core import InferenceCore
@@ -37,7 +37,7 @@ from .event_writer import EventWriter
 from .fair_queue import FairQueue
 from .job_input import submit_arguments
 from .lifecycle import Lifecycle, State
-from .recovery import Recovery, as_text, quarantined_refusal
+from .recovery import FRESH, Recovery, Takeover, as_text, quarantined_refusal
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +63,25 @@ def job_fingerprint(job: protocol.Job) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+Prepared = tuple[str, protocol.Job, Takeover]  # entry id, job, how it goes on here
+
+
 class PrepareQueue:
-    """Jobs read but not started (entry id, job), fair across tenants; ``get`` blocks."""
+    """Jobs read but not started, fair across tenants; ``get`` blocks."""
 
     def __init__(self) -> None:
-        self._jobs: FairQueue[str, tuple[str, protocol.Job]] = FairQueue()
+        self._jobs: FairQueue[str, Prepared] = FairQueue()
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def put(self, entry_id: str, job: protocol.Job) -> None:
+    def put(self, entry_id: str, job: protocol.Job, takeover: Takeover = FRESH) -> None:
         with self._cond:
-            self._jobs.push(job.tenant_id, (entry_id, job))
+            self._jobs.push(job.tenant_id, (entry_id, job, takeover))
             self._cond.notify()
 
-    def get(self, timeout: float) -> tuple[str, protocol.Job] | None:
+    def get(self, timeout: float) -> Prepared | None:
         """The next tenant's oldest job; None after ``timeout`` with nothing queued."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._jobs), timeout)
@@ -113,6 +116,7 @@ class Intake:
             client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
         )
         self._last_reclaim = time.monotonic()
+        self._take_owner = client.register_script(ownership.TAKE)
 
     def ensure_group(self) -> None:
         """Create the jobs stream's consumer group if it is not there."""
@@ -198,10 +202,11 @@ class Intake:
             if item is not None:
                 self.start_job_safely(*item)
 
-    def start_job_safely(self, entry_id: str, job: protocol.Job) -> None:
+    def start_job_safely(self, entry_id: str, job: protocol.Job,
+                         takeover: Takeover = FRESH) -> None:
         """Start one job; any failure ends that job alone with an error event."""
         try:
-            self._start_job(entry_id, job)
+            self._start_job(entry_id, job, takeover)
         except Exception:
             log.exception("starting job %s failed; it ends with an error, alone", job.id)
             self.writer.release(job.id)
@@ -213,7 +218,7 @@ class Intake:
             }
             self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
 
-    def _start_job(self, entry_id: str, job: protocol.Job) -> None:
+    def _start_job(self, entry_id: str, job: protocol.Job, takeover: Takeover) -> None:
         if self.writer.is_live(job.id):
             # The id's event stream, running record and slot belong to the live request: an
             # answer to this entry would be a second end in that stream. Only a writer other
@@ -223,15 +228,24 @@ class Intake:
             self.rejected[errors.DUPLICATE_ID] += 1
             self.ack_quietly(entry_id)
             return
-        self.writer.track(job.id, job.tenant_id)
         fingerprint = job_fingerprint(job)
         pipe = self.redis.pipeline(transaction=False)
+        # Ownership first: a request the web has given up on (or another daemon runs) is
+        # not this daemon's to start (wire/ownership.py).
+        self._take_owner(*ownership.take_args(job.id, self.daemon_id, "", self.daemon_id),
+                         client=pipe)
         pipe.exists(protocol.cancel_key(job.id))
         pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
         # Before any native code sees the job: if it kills this daemon, the next one knows
         # the job was running here (recovery.py). Its terminal event removes the record.
         pipe.hset(self.running_key, job.id, fingerprint)
-        cancelled, quarantined, _ = pipe.execute()
+        owned, cancelled, quarantined, _ = pipe.execute()
+        if not owned:
+            log.warning("job %s is owned elsewhere (or ended); entry %s dropped", job.id, entry_id)
+            self.redis.hdel(self.running_key, job.id)
+            self.recovery.done_with(entry_id)
+            return
+        self.writer.track(job.id, job.tenant_id, job.retention(), takeover.resumed)
         if cancelled:
             self.writer.terminal(job.id, entry_id, protocol.DONE, cancelled_before_start())
             return
@@ -242,7 +256,8 @@ class Intake:
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
             self.core.abort_process_when_running(job.id)  # test-only: before its first tick
         try:
-            prompt_tokens = self.core.enqueue(**submit_arguments(job))
+            prompt_tokens = self.core.enqueue(**submit_arguments(job),
+                                              continuation=takeover.continuation)
         except Refusal as refusal:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
@@ -262,7 +277,7 @@ class Intake:
 
     def ack_quietly(self, entry_id: str) -> None:
         try:
-            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            self.recovery.done_with(entry_id)
         except redis.RedisError:
             log.warning("could not acknowledge job entry %s", entry_id)
 

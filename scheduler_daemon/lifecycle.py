@@ -18,9 +18,10 @@
   flight goes on, reclaiming dead daemons' jobs goes on. Published as ``"draining": true``.
   ``resume`` goes back to ``SERVING``.
 - ``DRAINING``: shutting down. The intake and the preparer have stopped (jobs read but not
-  started stay pending under this id: the next daemon reclaims them); requests in flight
-  finish within the grace period, then the rest are cancelled. Events are still written,
-  cancels and control commands still heard.
+  started stay pending under this id: the next daemon reclaims them); requests still
+  waiting for a slot are handed back at once, those in flight finish within the grace
+  period, then the rest are handed back too (the next daemon continues them). Events are
+  still written, cancels and control commands still heard.
 - ``STOPPING``: the core has stopped; the writer, heartbeat, cancel and control threads end,
   the last events are written, the heartbeat key is deleted.
 - ``STOPPED``: nothing runs.

@@ -10,8 +10,15 @@ consumers whose heartbeat key is gone (``reclaim_dead``):
   fingerprint; at ``QUARANTINE_AFTER_DEATHS`` it is quarantined: ``llm:quarantine``
   records the fingerprint, the request ends with ``request_quarantined`` (400), and any
   later job with that fingerprint is refused before it reaches the engine;
-- a job that had streamed no text is served again (back into the prepare queue);
-- one that had streamed text ends with ``inference_interrupted``.
+- any other job is taken over (its owner key moves from the dead daemon to this one, a
+  compare-and-set the web's give-up cannot also win: ``wire/ownership.py``) and goes back
+  into the prepare queue: served from the start if no token event went out, else
+  *continued*: the prompt plus the tokens already sent (their ids ride in the token
+  events) are prefilled, the tokens replayed through the new sampler (its grammar too),
+  and generation carries on after them, so the client's stream goes on without a gap or a
+  duplicate. The new ``accepted`` and the ``done`` say ``resumed`` (how many times);
+- a job whose tokens cannot be replayed (an event without ids) ends with
+  ``inference_interrupted``.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from wire import protocol
+from wire import ownership, protocol
 from wire.errors import Refusal
 
 from .event_writer import EventWriter
+from .state import Continuation
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +48,17 @@ QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never
 CLAIM_MIN_IDLE_MS = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """How a job another daemon had read goes on here."""
+
+    continuation: Continuation | None = None  # None: served from the start
+    resumed: int = 0  # earlier ``accepted`` events in its stream (0: a fresh job)
+
+
+FRESH = Takeover()
+
+
 class Recovery:
     """Recovers the pending jobs of dead consumers of one jobs stream."""
 
@@ -48,7 +68,7 @@ class Recovery:
         jobs_stream: str,
         daemon_id: str,
         writer: EventWriter,
-        requeue: Callable[[str, protocol.Job], None],
+        requeue: Callable[[str, protocol.Job, Takeover], None],
         refuse: Callable[[str, str, Refusal], None],
     ) -> None:
         """``requeue``: serve a job again here (the prepare queue); ``refuse``: end a job with
@@ -59,6 +79,7 @@ class Recovery:
         self.writer = writer
         self.requeue = requeue
         self.refuse = refuse
+        self._take = client.register_script(ownership.TAKE)
 
     def reclaim_dead(self) -> int:
         """Take over the pending jobs of consumers whose daemon is gone; returns how many."""
@@ -113,8 +134,8 @@ class Recovery:
         running_key = protocol.running_key(dead)
         started = {as_text(k): as_text(v) for k, v in self.redis.hgetall(running_key).items()}
         for entry_id, fields in claimed:
-            if not fields:  # the entry was trimmed away: nothing left to serve
-                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            if not fields:  # the entry was deleted: nothing left to serve
+                self.done_with(entry_id)
                 continue
             try:
                 self._recover(as_text(entry_id), fields, dead, started)
@@ -122,7 +143,7 @@ class Recovery:
                 raise
             except Exception:
                 log.exception("recovering job entry %s failed; dropping it", entry_id)
-                self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+                self.done_with(entry_id)
         self.redis.delete(running_key)
         return len(claimed)
 
@@ -131,10 +152,10 @@ class Recovery:
     ) -> None:
         """One job a dead daemon had read (see the module docstring)."""
         job = protocol.Job.decode(fields)
-        stream = protocol.events_stream(job.id)
-        kinds = [protocol.decode_event(f)[0] for _, f in self.redis.xrange(stream)]
-        if any(k in protocol.TERMINAL for k in kinds):
-            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        events = [protocol.decode_event(f) for _, f in self.redis.xrange(
+            protocol.events_stream(job.id))]
+        if any(kind in protocol.TERMINAL for kind, _ in events):
+            self.done_with(entry_id)
             return
         fingerprint = started.get(job.id)
         if fingerprint is not None:
@@ -143,20 +164,31 @@ class Recovery:
             if deaths >= QUARANTINE_AFTER_DEATHS:
                 self._quarantine(entry_id, job, fingerprint, dead, deaths)
                 return
-        if protocol.TOKEN not in kinds:
-            self.requeue(entry_id, job)
+        if not self._take(*ownership.take_args(job.id, self.daemon_id, dead, "")):
+            # The web gave up on it (its end is written) or a live daemon still runs it
+            # (its end acknowledges the entry): nothing to do here.
+            log.info("job %s is no longer %s's; leaving it", job.id, dead)
             return
-        if self.redis.set(
-            protocol.interrupted_key(job.id), self.daemon_id, nx=True, ex=protocol.STREAM_RETENTION_S
-        ):
-            self.writer.track(job.id, job.tenant_id)
+        takeover = takeover_of(events)
+        if takeover is None:
+            self.writer.track(job.id, job.tenant_id, job.retention())
             data = {
                 "code": protocol.INFERENCE_INTERRUPTED,
                 "message": f"the scheduler daemon {dead} stopped while serving this request",
             }
             self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
-        else:
-            self.redis.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+            return
+        if takeover.continuation is not None:
+            log.warning("continuing job %s of daemon %s after %d tokens", job.id, dead,
+                        len(takeover.continuation.tokens))
+        self.requeue(entry_id, job, takeover)
+
+    def done_with(self, entry_id: str) -> None:
+        """Acknowledge and delete a job entry whose request has ended."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, entry_id)
+        pipe.xdel(self.jobs_stream, entry_id)
+        pipe.execute()
 
     def _count_death(self, fingerprint: str) -> int:
         key = protocol.deaths_key(fingerprint)
@@ -182,8 +214,29 @@ class Recovery:
         self.redis.hset(protocol.QUARANTINE_HASH, fingerprint, json.dumps(record))
         log.error("quarantined request %s (tenant %s): %d daemon deaths", job.id, job.tenant_id,
                   deaths)
-        self.writer.track(job.id, job.tenant_id)
+        self.writer.track(job.id, job.tenant_id, job.retention())
         self.refuse(job.id, entry_id, quarantined_refusal())
+
+
+def takeover_of(events: list[tuple[str, dict[str, Any]]]) -> Takeover | None:
+    """How to go on with a job whose stream holds ``events`` (no terminal one); None when
+    its tokens cannot be replayed (a token event without their ids)."""
+    resumed = sum(kind == protocol.ACCEPTED for kind, _ in events)
+    tokens: list[int] = []
+    text: list[str] = []
+    for kind, data in events:
+        if kind != protocol.TOKEN:
+            continue
+        ids = data.get("ids")
+        if not isinstance(ids, list) or len(ids) != data.get("n_tokens"):
+            return None
+        if not all(type(t) is int for t in ids):
+            return None
+        tokens.extend(ids)
+        text.append(str(data.get("text", "")))
+    if not tokens and not any(text):
+        return Takeover(None, resumed)
+    return Takeover(Continuation(tuple(tokens), "".join(text)), resumed)
 
 
 def quarantined_refusal() -> Refusal:

@@ -194,9 +194,21 @@ class Scheduler:
             raise Refusal(errors.EMPTY_PROMPT, "the prompt is empty", param="prompt")
         max_tokens = self._max_tokens_for(request.params, n_prompt)
         sampler = self.engine.new_sampler(request.params)  # compiles a grammar: not under the lock
+        continued = list(request.continuation.tokens) if request.continuation else []
+        text = TextStream(request.params.stop)
+        try:
+            if continued:
+                replayed = "".join(text.feed(self.engine.token_bytes(t)) for t in continued)
+                if replayed != request.continuation.text:  # the client's text is the truth
+                    log.warning("request %s: the continued tokens do not give the text sent",
+                                request.id)
+                sampler.replay(continued)
+        except BaseException:
+            sampler.close()
+            raise
         req = RequestState(
             id=request.id,
-            prompt=list(request.prompt_tokens),
+            prompt=list(request.prompt_tokens) + continued,
             params=request.params,
             max_tokens=max_tokens,
             sampler=sampler,
@@ -207,7 +219,9 @@ class Scheduler:
             session=request.session,
             arrival=request.arrival if request.arrival is not None else self._clock(),
             blocks=math.ceil((n_prompt + max_tokens) / self.config.kv_block_tokens),
-            text=TextStream(request.params.stop),
+            text=text,
+            output=continued,
+            continued_tokens=len(continued),
         )
         try:
             with self.lock:
@@ -232,6 +246,27 @@ class Scheduler:
                 self.engine.abort_requested = True
         self._work.set()
         return True
+
+    def hand_back(self, waiting_only: bool = False) -> list[str]:
+        """Drop requests without an end (a daemon stopping: at once those still waiting,
+        past its grace the rest): slots, blocks and samplers are freed and no event is
+        emitted; the jobs stay pending in Redis for another daemon to serve or continue.
+        Returns their ids."""
+        with self.lock:
+            dropped = [r for r in self._requests.values()
+                       if not waiting_only or r.status is Status.WAITING]
+            for req in dropped:
+                del self._requests[req.id]
+                self._cancels.discard(req.id)
+                if req.slot is not None:
+                    req.slot.request, req.slot.state = None, SlotState.IDLE
+                    self._forget(req.slot)
+                    self._used_blocks -= req.blocks
+                    req.slot = None
+                else:
+                    self._waiting.remove(req.cache_scope, req)
+                req.sampler.close()
+        return [req.id for req in dropped]
 
     def stop_admitting(self) -> None:
         """Refuse new requests from now on (drain)."""
@@ -694,12 +729,16 @@ class Scheduler:
         req.unsent_tokens += 1
         text = req.text.feed(self.engine.token_bytes(token))
         if text:
-            self._emit(TokenEvent(req.id, text, req.unsent_tokens))
+            self._emit(TokenEvent(req.id, text, req.unsent_tokens, self._unsent(req)))
             req.unsent_tokens = 0
         if req.text.stopped_by is not None:
             self._finish(req, Status.FINISHED_STOPPED)
         elif len(req.output) >= req.max_tokens:
             self._finish(req, Status.FINISHED_LENGTH)
+
+    @staticmethod
+    def _unsent(req: RequestState) -> tuple[int, ...]:
+        return tuple(req.output[len(req.output) - req.unsent_tokens:]) if req.unsent_tokens else ()
 
     def _finish(
         self, req: RequestState, status: Status, error: dict[str, Any] | None = None
@@ -714,7 +753,7 @@ class Scheduler:
             self._waiting.remove(req.cache_scope, req)
         tail = req.text.flush()
         if tail or req.unsent_tokens:
-            self._emit(TokenEvent(req.id, tail, req.unsent_tokens))
+            self._emit(TokenEvent(req.id, tail, req.unsent_tokens, self._unsent(req)))
         req.sampler.close()
         del self._requests[req.id]
         stats = self._stats(req, now)
@@ -750,7 +789,8 @@ class Scheduler:
         prefill_s = first - started if first is not None and started is not None else 0.0
         gen_s = now - first if first is not None else 0.0
         return RequestStats(
-            prompt_tokens=len(req.prompt) if started is not None else 0,  # billed once computed
+            # billed once computed; a continued request's earlier output is not prompt
+            prompt_tokens=len(req.prompt) - req.continued_tokens if started is not None else 0,
             cached_tokens=req.cached_tokens,
             completion_tokens=len(req.output),
             queue_ms=_ms(started - req.arrival) if started is not None else None,

@@ -53,7 +53,20 @@ class Sampler(Protocol):
 
     def sample(self, batch_index: int) -> int: ...
 
+    def replay(self, tokens: list[int]) -> None: ...
+
     def close(self) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Continuation:
+    """What a request had generated when its daemon died, for the daemon that continues it:
+    the tokens whose events went out, and the text those events carried (the client has
+    it). They are prefilled after the prompt and replayed through the new sampler; the
+    output carries on from them."""
+
+    tokens: tuple[int, ...]
+    text: str
 
 
 @dataclass(slots=True)
@@ -68,6 +81,7 @@ class Request:
     cache_prompt: bool | None = None  # None: the scheduler's default
     arrival: float | None = None  # monotonic seconds; None: when submitted
     max_queued: int | None = None  # its scope's cap on waiting requests; None: the configured one
+    continuation: Continuation | None = None  # it carries on from what another daemon generated
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +104,7 @@ class RequestState:
     output: list[int] = field(default_factory=list)
     unsent_tokens: int = 0  # tokens generated since the last TokenEvent
     cached_tokens: int = 0
+    continued_tokens: int = 0  # the tail of ``prompt`` that is output of an earlier daemon
     passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
     t_started: float | None = None
     t_first_token: float | None = None
@@ -130,6 +145,7 @@ class TokenEvent:
     request_id: str
     text: str
     n_tokens: int
+    tokens: tuple[int, ...] = ()  # the ``n_tokens`` token ids (a continuation replays them)
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,5 +9,9 @@ Tests, and the servers and daemons they start (which inherit this environment an
 import os
 
 os.environ.setdefault("DEBUG", "true")
+# A dead daemon's request waits this long for another to continue it (production: 60 s).
+# Tests that kill daemons without bringing one back would wait that long for their answer;
+# the chaos tests that bring one back set their own.
+os.environ.setdefault("RECOVERY_TIMEOUT_S", "3")
 
 from config.settings import *  # noqa: E402,F403

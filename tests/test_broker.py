@@ -7,7 +7,7 @@ import pytest
 
 from inference import broker, service
 from tests.live_service import StandIn, redis_conn
-from wire import protocol
+from wire import ownership, protocol
 
 pytestmark = pytest.mark.asyncio
 
@@ -21,7 +21,7 @@ def r():
 def request_id(r):
     rid = str(uuid.uuid4())
     yield rid
-    r.delete(protocol.events_stream(rid), protocol.cancel_key(rid), protocol.interrupted_key(rid))
+    r.delete(protocol.events_stream(rid), protocol.cancel_key(rid), protocol.owner_key(rid))
 
 
 async def test_live_daemons_skips_expired_snapshots(r):
@@ -63,14 +63,32 @@ async def test_publish_cancel_sets_the_flag_and_notifies(r, request_id):
     assert request_id in seen
 
 
-async def test_write_interrupted_is_written_once(r, request_id):
-    assert await broker.write_interrupted(request_id, "gone")
-    assert not await broker.write_interrupted(request_id, "gone again")
+async def test_giving_up_is_written_once_and_only_while_the_dead_owner_owns_it(r, request_id):
+    r.set(protocol.owner_key(request_id), "daemon-dead")
+    assert not await broker.give_up(request_id, "daemon-other", "not its owner")
+    assert await broker.give_up(request_id, "daemon-dead", "gone")
+    assert not await broker.give_up(request_id, "daemon-dead", "gone again")
+    assert await broker.owner_of(request_id) == "web"
     entries = r.xrange(protocol.events_stream(request_id))
     assert len(entries) == 1
     kind, data = protocol.decode_event(entries[0][1])
     assert (kind, data["code"]) == ("error", "inference_interrupted")
     assert 0 < r.ttl(protocol.events_stream(request_id)) <= protocol.STREAM_RETENTION_S
+
+
+async def test_a_daemon_that_took_the_request_over_wins_against_giving_up(r, request_id):
+    r.set(protocol.owner_key(request_id), "daemon-dead")
+    take = r.register_script(ownership.TAKE)
+    assert take(*ownership.take_args(request_id, "daemon-new", "daemon-dead", ""))
+    assert not await broker.give_up(request_id, "daemon-dead", "gone")
+    assert await broker.owner_of(request_id) == "daemon-new"
+    assert r.xlen(protocol.events_stream(request_id)) == 0
+
+
+async def test_no_giving_up_on_an_ended_request(r, request_id):
+    r.xadd(protocol.events_stream(request_id), protocol.encode_event("done", {}))
+    assert not await broker.give_up(request_id, "daemon-dead", "gone")
+    assert r.xlen(protocol.events_stream(request_id)) == 1
 
 
 async def test_enqueue_and_read_events(r, request_id):

@@ -46,14 +46,16 @@ def test_a_failed_write_keeps_the_events_for_the_next_one():
     request_id = uuid.uuid4().hex
     stream = protocol.events_stream(request_id)
     try:
-        writer.on_event(TokenEvent(request_id, "Hel", 1))
+        writer.on_event(TokenEvent(request_id, "Hel", 1, (11,)))
         with pytest.raises(redis.ConnectionError):
             writer.flush()
         assert real.xlen(stream) == 0
-        writer.on_event(TokenEvent(request_id, "lo", 1))
+        writer.on_event(TokenEvent(request_id, "lo", 1, (12,)))
         writer.flush()
         [(_, fields)] = real.xrange(stream)
-        assert protocol.decode_event(fields) == (protocol.TOKEN, {"text": "Hello", "n_tokens": 2})
+        assert protocol.decode_event(fields) == (
+            protocol.TOKEN, {"text": "Hello", "n_tokens": 2, "ids": [11, 12]}
+        )
     finally:
         real.delete(stream)
 

@@ -145,11 +145,6 @@ def deaths_key(fingerprint: str) -> str:
     return f"{PREFIX}:deaths:{fingerprint}"
 
 
-def interrupted_key(request_id: str) -> str:
-    """SET NX guard so that only one party writes a request's inference_interrupted event."""
-    return f"{PREFIX}:interrupted:{request_id}"
-
-
 @dataclass(slots=True)
 class Job:
     """A request as queued for a daemon. ``cache_scope`` is set by the web from the tenant."""

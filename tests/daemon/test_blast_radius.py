@@ -215,7 +215,7 @@ def daemon_events_so_far(daemon, request_id: str) -> list[tuple[str, str, dict]]
 
 def test_a_restarted_daemon_recovers_its_own_pending_jobs(make_daemon):
     """Under one daemon id (as the supervisor restarts it), a new run serves the jobs the
-    old run had read but not started, and ends the one it had streamed."""
+    old run had read but not started, and continues the one it had streamed."""
     first = make_daemon(N_PARALLEL="1", MAX_QUEUE="8").start()
     running = first.enqueue(prompt="Tell me a long story.", params={**LONG, "max_tokens": 400})
     first.wait_for(running.id, "token")
@@ -223,6 +223,12 @@ def test_a_restarted_daemon_recovers_its_own_pending_jobs(make_daemon):
     first.wait_for(waiting.id, "accepted")
     first.stop(signal.SIGKILL)
     second = make_daemon(model=first.model).start(daemon_id=first.daemon_id)
-    assert second.events(waiting.id)[-1][1] == "done"
-    _, kind, data = second.events(running.id)[-1]
-    assert kind == "error" and data["code"] == "inference_interrupted"
+    _, kind, data = second.events(waiting.id)[-1]
+    assert kind == "done" and data["resumed"] == 1  # served again: its stream had its accepted
+    events = second.events(running.id)
+    _, kind, data = events[-1]
+    assert (kind, data["finish_reason"], data["resumed"]) == ("done", "length", 1)
+    tokens = [d for _, k, d in events if k == "token"]
+    # continued, not restarted: every token is sent once, 400 in all, as max_tokens says
+    assert sum(d["n_tokens"] for d in tokens) == data["usage"]["completion_tokens"] == 400
+    assert [k for _, k, _ in events].count("accepted") == 2

@@ -36,10 +36,10 @@ def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
     client.xreadgroup(protocol.JOBS_GROUP, "dead-daemon", {stream: ">"})  # then it died
     time.sleep(1.2)  # as long at least as a heartbeat key outlives its daemon's death
     served: list[str] = []
-    b = Recovery(client, stream, "daemon-b", NoWriter(), lambda _e, j: served.append("b"),
+    b = Recovery(client, stream, "daemon-b", NoWriter(), lambda _e, j, _t: served.append("b"),
                  None)
     a_client = redis_conn()
-    a = Recovery(a_client, stream, "daemon-a", NoWriter(), lambda _e, j: served.append("a"),
+    a = Recovery(a_client, stream, "daemon-a", NoWriter(), lambda _e, j, _t: served.append("a"),
                  None)
     claim = a_client.xclaim
 
@@ -66,7 +66,7 @@ def test_a_dead_daemons_entries_too_recent_to_claim_are_not_dropped_with_its_con
     client.xreadgroup(protocol.JOBS_GROUP, "dead-daemon", {stream: ">"})
     served: list[str] = []
     recovery = Recovery(client, stream, "daemon-a", NoWriter(),
-                        lambda _e, j: served.append(j.id), None)
+                        lambda _e, j, _t: served.append(j.id), None)
     try:
         recovery.reclaim_dead()  # just read: not idle long enough to claim
         time.sleep(1.2)

@@ -25,6 +25,7 @@ class FakeSampler:
         self.seen: list[tuple[int, int]] = []  # (seq_id, pos) of each row sampled from
         self.closed = False
         self.n = 0
+        self.replayed: list[int] = []  # tokens of a continuation, as the scheduler replayed them
 
     def sample(self, batch_index: int) -> int:
         self.seen.append(self.engine.owner_of(batch_index))
@@ -32,6 +33,9 @@ class FakeSampler:
         if self.script is None:
             return 1000 + self.seed * 100 + self.n
         return self.script.pop(0) if self.script else 1000
+
+    def replay(self, tokens: list[int]) -> None:
+        self.replayed.extend(tokens)
 
     def close(self) -> None:
         self.closed = True

@@ -102,7 +102,7 @@ def test_the_prepare_queue_takes_tenants_in_turn():
     for job in [_job(f"a{i}", "A") for i in range(3)] + [_job("b0", "B")]:
         queue.put(f"entry-{job.id}", job)
     taken = [queue.get(timeout=0) for _ in range(4)]
-    assert [(entry, job.id) for entry, job in taken] == [
+    assert [(entry, job.id) for entry, job, _takeover in taken] == [
         ("entry-a0", "a0"), ("entry-b0", "b0"), ("entry-a1", "a1"), ("entry-a2", "a2")
     ]
     assert queue.get(timeout=0) is None and len(queue) == 0
