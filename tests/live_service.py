@@ -387,8 +387,9 @@ class RealDaemon:
         self.proc: subprocess.Popen | None = None
         self.redis = redis_conn()
 
-    def start(self, timeout_s: float = 180) -> RealDaemon:
-        self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
+    def start(self, timeout_s: float = 180, daemon_id: str | None = None) -> RealDaemon:
+        """``daemon_id``: run under this id (a restart, as the supervisor does it)."""
+        self.daemon_id = daemon_id or f"test-{uuid.uuid4().hex[:8]}"
         argv = [sys.executable, "manage.py", "run_scheduler", "--grace", "5",
                 "--daemon-id", self.daemon_id]
         log = self.log_path.open("ab")
