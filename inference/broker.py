@@ -262,9 +262,24 @@ async def daemon_alive(daemon_id: str) -> bool:
 # -- jobs, events, cancels -------------------------------------------------------------------
 
 
+# KEYS[1] the jobs stream; ARGV[1] its cap, ARGV[2] the job. The entry id, or nil when the
+# stream already holds the cap (nothing is trimmed: every entry is a request not yet ended).
+_ENQUEUE = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', 'job', ARGV[2])
+"""
+
+
 async def enqueue(job: protocol.Job) -> None:
-    """Queue a job for the daemons of its model."""
-    await async_client().xadd(protocol.jobs_stream(job.model), job.encode())
+    """Queue a job for the daemons of its model. Raises ApiError 503 when the model's jobs
+    stream already holds JOBS_MAX_PENDING jobs (no daemon keeps up with it)."""
+    added = await async_client().eval(_ENQUEUE, 1, protocol.jobs_stream(job.model),
+                                      protocol.JOBS_MAX_PENDING, job.encode()["job"])
+    if added is None:
+        raise ApiError("service_unavailable",
+                       f"{protocol.JOBS_MAX_PENDING} requests are already waiting for the "
+                       f"model {job.model!r}; try again shortly.",
+                       headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
 
 
 async def read_events(

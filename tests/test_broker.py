@@ -6,6 +6,7 @@ import uuid
 import pytest
 
 from inference import broker, service
+from inference.errors import ApiError
 from tests.live_service import StandIn, redis_conn
 from wire import ownership, protocol
 
@@ -150,3 +151,22 @@ async def test_cancel_if_abandoned_publishes_when_the_reader_is_cancelled(r, req
 
 async def _collect(stream) -> list:
     return [e async for e in stream]
+
+
+async def test_a_full_jobs_stream_refuses_the_enqueue_with_503(r, request_id, monkeypatch):
+    """Nothing trims the jobs stream (an entry is a request not yet ended): a backlog past
+    JOBS_MAX_PENDING is refused instead."""
+    monkeypatch.setattr(protocol, "JOBS_MAX_PENDING", 2)
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    jobs = [protocol.Job(id=f"{request_id}-{i}", kind="completion", model=model,
+                         tenant_id="1", cache_scope="1", prompt="hi") for i in range(3)]
+    try:
+        await broker.enqueue(jobs[0])
+        await broker.enqueue(jobs[1])
+        with pytest.raises(ApiError) as refused:
+            await broker.enqueue(jobs[2])
+        assert refused.value.code == "service_unavailable" and refused.value.status_code == 503
+        assert refused.value.headers["Retry-After"]
+        assert r.xlen(protocol.jobs_stream(model)) == 2
+    finally:
+        r.delete(protocol.jobs_stream(model))
