@@ -75,7 +75,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
     broker.check_capacity()  # 503 before anything is admitted when this process is full
-    request_id = str(uuid.uuid4())
+    request_id = parsed.request_id or str(uuid.uuid4())  # an Idempotency-Key claim's id
     admission = asyncio.ensure_future(db.run(_admit_and_record, api_key, parsed, request_id))
     try:
         row = await asyncio.shield(admission)  # the database thread finishes it either way
