@@ -21,7 +21,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
 
-from inference import broker, service
+from inference import broker, idempotency, service
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.openai_format import (
@@ -33,6 +33,7 @@ from inference.openai_format import (
 )
 from inference.openai_request import CHAT, COMPLETION, load_json, parse_request
 from inference.openapi import (
+    IDEMPOTENCY_KEY,
     REQUEST_ID,
     RETRY_AFTER,
     SSE,
@@ -55,11 +56,11 @@ def _completion_schema(kind: str) -> Any:
         description="OpenAI-compatible. ``stream: true`` answers with server-sent events.",
         tags=["completions"],
         request=ChatCompletionRequestSerializer if chat else CompletionRequestSerializer,
-        parameters=[REQUEST_ID, RETRY_AFTER],
+        parameters=[IDEMPOTENCY_KEY, REQUEST_ID, RETRY_AFTER],
         responses={
             (200, "application/json"): ChatCompletionSerializer if chat else CompletionSerializer,
             (200, SSE_MEDIA_TYPE): SSE,
-            **error_responses(400, 401, 405, 429, 500, 503, 504),
+            **error_responses(400, 401, 405, 409, 429, 500, 503, 504),
         },
     )
 
@@ -70,13 +71,21 @@ class CompletionView(APIView):
     kind: str
 
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
-        parsed = parse_request(self.kind, _json_body(request))
-        submission = await service.submit(request.auth, parsed)
+        body = _json_body(request)
+        parsed = parse_request(self.kind, body)
+        key = idempotency.key_digest(request.headers)
+        if key is None:
+            submission = await service.submit(request.auth, parsed)
+        else:  # a retry of the key's request gets that request (a Replay), not a new one
+            submission = await idempotency.submit(request.auth, parsed, key,
+                                                  idempotency.body_digest(self.kind, body))
         formatter = Formatter(self.kind, submission.request_id, submission.model,
                               submission.created, parsed.include_usage)
+        replay = submission if isinstance(submission, idempotency.Replay) else None
         if parsed.stream:
-            return _sse_response(formatter, service.events(submission))
-        text, final = await service.collect(submission)
+            return _sse_response(formatter, replay.events() if replay else
+                                 service.events(submission))
+        text, final = await (replay.collect() if replay else service.collect(submission))
         # Django's JsonResponse: a DRF Response is rendered on a thread (one more hop).
         response = JsonResponse(formatter.whole(text, final))
         response["X-Request-Id"] = submission.request_id

@@ -9,6 +9,7 @@ from inference.broker import StreamEvent
 from inference.errors import ApiError
 from inference.openai_request import CHAT
 from wire import protocol
+from wire.errors import TIMEOUT
 
 DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE_FRAME = b": keep-alive\n\n"
@@ -30,9 +31,13 @@ class Formatter:
         return f"{'chatcmpl' if self.kind == CHAT else 'cmpl'}-{self.request_id}"
 
     def whole(self, text: str, final: StreamEvent) -> dict[str, Any]:
-        """The non-streaming body. An ``error`` final event raises ApiError instead."""
+        """The non-streaming body. An ``error`` final event raises ApiError instead; a
+        ``timeout`` one carries the text made until then and its (billed) usage."""
         if final.kind == protocol.ERROR:
-            raise ApiError.from_event(final.data)
+            error = ApiError.from_event(final.data)
+            if error.code == TIMEOUT:
+                error.details.update(partial_text=text, usage=usage_of(final))
+            raise error
         reason = final.data.get("finish_reason")
         if self.kind == CHAT:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},

@@ -12,6 +12,8 @@ prompt's UTF-8 size is capped by ``MAX_PROMPT_BYTES`` before anything tokenizes 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -33,7 +35,7 @@ MAX_JSON_DEPTH = 64
 
 _COMMON = {
     "model", "stream", "stream_options", "n", "max_completion_tokens", "response_format",
-    "cache_prompt", "session", "user", "cache_scope",
+    "cache_prompt", "session", "user", "cache_scope", "timeout",
 } | FIELD_NAMES
 
 
@@ -93,16 +95,22 @@ class ParsedRequest:
     params: dict[str, Any] = field(default_factory=dict)
     session: str = ""
     cache_prompt: bool | None = None
+    timeout_s: float | None = None  # the client's ``timeout``, at most REQUEST_TIMEOUT_S
+    request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
+    retention_s: int | None = None  # its events' retention (None: the protocol's default)
 
     def job(self, request_id: str, tenant_id: str,
             max_queued: int | None = None) -> protocol.Job:
         """The queued form; the cache scope is the tenant, whatever the client sent.
-        ``max_queued``: the tenant's own cap on waiting jobs (None: the daemon's default)."""
+        ``max_queued``: the tenant's own cap on waiting jobs (None: the daemon's default).
+        Its deadline starts now: the daemon ends it with ``timeout`` past it."""
         return protocol.Job(
             id=request_id, kind=self.kind, model=self.model, tenant_id=tenant_id,
             cache_scope=tenant_id, prompt=self.prompt, messages=self.messages,
             params=self.params, session=self.session or None, cache_prompt=self.cache_prompt,
             max_queued=max_queued,
+            deadline=time.time() + (self.timeout_s or settings.REQUEST_TIMEOUT_S),
+            retention_s=self.retention_s or int(settings.STREAM_RETENTION_S),
         )
 
 
@@ -163,7 +171,20 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     else:
         parsed.prompt = _prompt(body.get("prompt"))
     parsed.params = _sampling(body)
+    parsed.timeout_s = _timeout(body.get("timeout"))
     return parsed
+
+
+def _timeout(value: Any) -> float | None:
+    """Seconds > 0, capped by the server's REQUEST_TIMEOUT_S (None: the server's)."""
+    if value is None:
+        return None
+    # ints are compared as ints: a 400-digit one would overflow float()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise invalid("timeout", "timeout must be a number of seconds greater than 0.")
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf
+        raise invalid("timeout", "timeout must be a finite number of seconds.")
+    return float(min(value, settings.REQUEST_TIMEOUT_S))
 
 
 def _present(body: dict[str, Any], name: str) -> bool:

@@ -16,6 +16,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema_field
 from rest_framework import serializers
 
+from inference import idempotency
 from wire import errors as codes
 from wire import sampling
 from wire.messages import ROLES
@@ -61,6 +62,14 @@ RETRY_AFTER = OpenApiParameter(
 REQUEST_ID = OpenApiParameter(
     "X-Request-Id", OpenApiTypes.UUID, OpenApiParameter.HEADER, response=[200],
     description="The request's id (its history row).")
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key",
+    {"type": "string", "minLength": 1, "maxLength": idempotency.MAX_KEY_CHARS,
+     "pattern": idempotency.KEY_PATTERN},
+    OpenApiParameter.HEADER,
+    description="A retry with the same key (same tenant, 24 h) returns the first request's "
+    "result, or its stream from the start, under the same id, instead of running it again; "
+    "the same key with another body is a 409 ``idempotency_key_reused``.")
 SSE = OpenApiResponse(
     OpenApiTypes.STR,
     description="Server-sent events: ``id: <entry id>`` + ``data: <chunk JSON>`` each (resume "
@@ -87,6 +96,15 @@ def _ranged(name: str, **kwargs: Any) -> serializers.Field:
                                  "maxItems": sampling.MAX_STOP_STRINGS}],
                       "nullable": True, "description": "a string or a list of strings"})
 class StopField(serializers.JSONField):
+    pass
+
+
+@extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True,
+                      "nullable": True,
+                      "description": "seconds; past them the request ends with its output so "
+                      "far and a 504 ``timeout`` error (capped by the server's "
+                      "REQUEST_TIMEOUT_S)"})
+class TimeoutField(serializers.FloatField):
     pass
 
 
@@ -121,6 +139,7 @@ class CommonRequestSerializer(serializers.Serializer):
                                     help_text="keeps a conversation on one slot (prefix cache)")
     user = serializers.CharField(required=False, help_text="taken as the session when none")
     n = serializers.ChoiceField([1], required=False, help_text="only 1")
+    timeout = TimeoutField(required=False, allow_null=True)
 
 
 @extend_schema_field({"oneOf": [

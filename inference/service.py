@@ -37,7 +37,8 @@ BLOCK_MS = 1000  # longest single XREAD BLOCK: the dead-daemon check runs at lea
 # A model seen served this recently is taken as live when a request is queued; a daemon that
 # died since is caught by the wait for its answer (``_wait_first`` asks afresh).
 LIVE_MODELS_MAX_AGE_S = 1.0
-GUARD_GRACE_TICKS = 5  # empty reads to wait for an interrupted event someone else claimed
+GUARD_GRACE_TICKS = 5
+BACKSTOP_MARGIN_S = 5.0  # the web's own REQUEST_TIMEOUT_S waits this much past the daemon's  # empty reads to wait for an interrupted event someone else claimed
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
     broker.check_capacity()  # 503 before anything is admitted when this process is full
-    request_id = str(uuid.uuid4())
+    request_id = parsed.request_id or str(uuid.uuid4())  # an Idempotency-Key claim's id
     admission = asyncio.ensure_future(db.run(_admit_and_record, api_key, parsed, request_id))
     try:
         row = await asyncio.shield(admission)  # the database thread finishes it either way
@@ -203,7 +204,8 @@ async def _follow(request_id: str, after: str, model: str, daemon_id: str | None
         first = await broker.first_event(request_id)
         if first is not None and first.kind == protocol.ACCEPTED:
             daemon_id = first.data.get("daemon_id")
-    deadline = time.monotonic() + settings.REQUEST_TIMEOUT_S
+    # a backstop: the daemon ends a request at its deadline (typed, with its usage)
+    deadline = time.monotonic() + settings.REQUEST_TIMEOUT_S + BACKSTOP_MARGIN_S
     guard_ticks = 0
     gone_since: float | None = None  # when the daemon serving it was first seen gone
     while True:

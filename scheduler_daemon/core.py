@@ -228,12 +228,17 @@ class InferenceCore:
         max_queued: int | None = None,
         handle: RequestHandle | None = None,
         continuation: Continuation | None = None,
+        deadline: float | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
         events go to ``listeners`` (and ``handle``). ``max_queued``: this scope's cap on
-        waiting requests (None: the configured one)."""
+        waiting requests (None: the configured one). ``deadline`` (unix seconds): past it
+        the request ends with ``timeout``; already past, it is refused."""
         arrival = time.monotonic()
+        if deadline is not None and time.time() >= deadline:  # before anything costly
+            raise Refusal(errors.TIMEOUT, "The request's deadline (timeout) passed before it "
+                          "started.")
         if not isinstance(cache_scope, str):  # a key of the scheduler's own maps
             raise InvalidParameter("cache_scope", "must be a string")
         if session is not None and not isinstance(session, str):
@@ -250,6 +255,8 @@ class InferenceCore:
             arrival=arrival,
             max_queued=max_queued,
             continuation=continuation,
+            # the scheduler's clock is monotonic; a wall-clock deadline crosses daemons
+            deadline=None if deadline is None else arrival + (deadline - time.time()),
         )
         if handle is None:  # the daemon's path: the scheduler refuses a duplicate id itself
             self.scheduler.submit(request)

@@ -8,7 +8,8 @@ something else (a rogue writer, a bug, an old web) is refused with the field's n
 instead of crashing a thread:
 
 - the scalar fields have their wire types (``cache_scope`` and ``session`` strings,
-  ``cache_prompt`` a bool, ``max_queued`` a non-negative int);
+  ``cache_prompt`` a bool, ``max_queued`` a non-negative int, ``deadline`` a finite
+  number);
 - the sampling fields go through ``SamplingParams.from_dict`` except the grammar and the
   JSON schema, whose bounds are checked once, where they are compiled
   (``engine.LlamaEngine.grammar_for``); here they only have to be a string (a schema: or
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from wire import protocol
@@ -53,6 +55,7 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "session": job.session,
         "cache_prompt": job.cache_prompt,
         "max_queued": max_queued,
+        "deadline": _deadline(job.deadline),
     }
 
 
@@ -70,6 +73,19 @@ def sampling_params(raw: Any) -> SamplingParams:
             raise InvalidParameter("json_schema", "is not a JSON object") from None
     _check_type("json_schema", schema, str, optional=True)
     return dataclasses.replace(params, grammar=grammar, json_schema=schema)
+
+
+def _deadline(value: Any) -> float | None:
+    """A finite number of unix seconds as a float (a huge int would overflow later)."""
+    if value is None:
+        return None
+    try:
+        deadline = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:
+        deadline = math.nan
+    if not math.isfinite(deadline):
+        raise InvalidParameter("deadline", "must be a number (unix seconds)")
+    return deadline
 
 
 def _check_type(field: str, value: Any, kind: type, optional: bool = False) -> None:

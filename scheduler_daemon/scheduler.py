@@ -222,6 +222,7 @@ class Scheduler:
             text=text,
             output=continued,
             continued_tokens=len(continued),
+            deadline=request.deadline,
         )
         try:
             with self.lock:
@@ -451,7 +452,8 @@ class Scheduler:
         return wanted
 
     def _apply_cancels(self) -> list[str]:
-        """End every request cancelled since the last tick; returns their ids."""
+        """End every request cancelled since the last tick, then every one past its
+        deadline (``_expire``); returns their ids."""
         cancels, self._cancels = self._cancels, set()
         ended = []
         for request_id in cancels:
@@ -463,7 +465,22 @@ class Scheduler:
                 self._finish(req, Status.FINISHED_CANCELLED)
             except Exception as exc:
                 self.fail_request(request_id, exc)
-        return ended
+        return ended + self._expire()
+
+    def _expire(self) -> list[str]:
+        """End every request past its deadline with ``timeout``, queued, prefilling or
+        generating: the text it made is sent (and billed), its slot and KV are freed."""
+        now = self._clock()
+        late = [r for r in self._requests.values() if r.deadline is not None and now >= r.deadline]
+        error = {"code": errors.TIMEOUT, "message": "The request ran past its deadline "
+                 "(timeout); the output it produced until then was sent."}
+        for req in late:
+            self.counters["timeouts"] += 1
+            try:
+                self._finish(req, Status.FINISHED_ERROR, dict(error))
+            except Exception as exc:
+                self.fail_request(req.id, exc)
+        return [r.id for r in late]
 
     def _admit(self) -> list[str]:
         """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the

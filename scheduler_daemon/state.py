@@ -82,6 +82,7 @@ class Request:
     arrival: float | None = None  # monotonic seconds; None: when submitted
     max_queued: int | None = None  # its scope's cap on waiting requests; None: the configured one
     continuation: Continuation | None = None  # it carries on from what another daemon generated
+    deadline: float | None = None  # the scheduler's clock (monotonic); past it: ends with timeout
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +109,7 @@ class RequestState:
     passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
     t_started: float | None = None
     t_first_token: float | None = None
+    deadline: float | None = None  # the scheduler's clock; past it, ``timeout`` wherever it is
 
 
 @dataclass(slots=True)
