@@ -58,7 +58,7 @@ def test_the_job_carries_the_deadline_capped_by_the_server(api, parties, standin
         assert post(api, COMPLETIONS, body, parties.owner).status_code == 503
         job = standin.next_job(timeout_s=2)
         assert before + expected <= job.deadline <= time.time() + expected
-        assert job.retention_s is None  # no Idempotency-Key: the default retention
+        assert job.retention_s == settings.STREAM_RETENTION_S  # no Idempotency-Key: the default
 
 
 @pytest.mark.parametrize("value", ["", " a", "a ", "x" * 256, "a\tb", "\x7f", "\u00e9t\u00e9",
