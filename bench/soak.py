@@ -92,6 +92,8 @@ class Result:
     request_id: str | None = None
     last_event_id: str | None = None
     text_chunks: int = 0
+    max_gap_s: float = 0.0  # the longest wait between two chunks with text (a kill's pause)
+    _last_text: float | None = None
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # "sse <code>", "http <status> <code>", "client <exception>"
@@ -172,6 +174,10 @@ async def _sse(reader: asyncio.StreamReader, result: Result, t0: float | None,
                 (choice.get("delta") or {}).get("content")
             if text:
                 result.text_chunks += 1
+                now = time.perf_counter()
+                if result._last_text is not None:
+                    result.max_gap_s = max(result.max_gap_s, now - result._last_text)
+                result._last_text = now
                 if t0 is not None and result.ttft is None:
                     result.ttft = time.perf_counter() - t0
             if choice.get("finish_reason"):
@@ -613,6 +619,8 @@ def summarize(soak: Soak) -> dict:
             "in_flight": len(hit),
             "completed": sum(1 for r in kept if ended_ok(r)),
             "resumed": sum(1 for r in hit if r.resumed),
+            # the longest pause between two text chunks that a stream in flight saw
+            "max_gap_s": _r(max((r.max_gap_s for r in hit), default=None), 1),
             "not_completed": [{"n": r.n, "leave": r.leave, "error": r.error,
                                "finish": r.finish_reason or r.reconnect_finish,
                                "reconnect_error": r.reconnect_error}
@@ -690,7 +698,8 @@ def report(soak: Soak, summary: dict, command: str) -> None:
           f"{s['resumed_total']} continuations")
     for k in s["kills"]:
         print(f"kill at {k['at_s']} s: {k['in_flight']} in flight, {k['completed']} completed, "
-              f"{k['resumed']} resumed; not completed: {k['not_completed'] or 'none'}")
+              f"{k['resumed']} resumed, longest pause between chunks {k['max_gap_s']} s; "
+              f"not completed: {k['not_completed'] or 'none'}")
     print(f"{'window (min)':>14} {'requests':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
     for w in s["ttft_windows"]:
         lo, hi = w["window_min"]
