@@ -227,6 +227,9 @@ KV_TENANT_SHARE = env_float("KV_TENANT_SHARE", 0.5)
 # Test-only: a job whose prompt holds scheduler_daemon.transport.FAULT_MARKER aborts the
 # daemon process (to test the supervisor and the quarantine). Never on in production.
 FAULT_INJECTION = env_bool("FAULT_INJECTION", False)
+# A request that was streaming when its daemon died is continued by the daemon that takes
+# it over (its tokens replayed, docs/daemon.md); off: it ends with inference_interrupted.
+CONTINUE_STREAMS = env_bool("CONTINUE_STREAMS", True)
 N_THREADS = env_int("N_THREADS", os.cpu_count() or 1)
 KV_BLOCK_TOKENS = env_int("KV_BLOCK_TOKENS", 256)
 CACHE_PROMPT = env_bool("CACHE_PROMPT", True)

@@ -80,6 +80,9 @@ class Recovery:
         self.requeue = requeue
         self.refuse = refuse
         self._take = client.register_script(ownership.TAKE)
+        # CONTINUE_STREAMS: continue a request that had streamed tokens; off: it ends with
+        # inference_interrupted (a request served from the start is not affected)
+        self.continue_streams = True
 
     def reclaim_dead(self) -> int:
         """Take over the pending jobs of consumers whose daemon is gone; returns how many."""
@@ -170,6 +173,8 @@ class Recovery:
             log.info("job %s is no longer %s's; leaving it", job.id, dead)
             return
         takeover = takeover_of(events)
+        if takeover is not None and takeover.continuation and not self.continue_streams:
+            takeover = None
         if takeover is None:
             self.writer.track(job.id, job.tenant_id, job.retention())
             data = {

@@ -181,10 +181,13 @@ def wait_log(daemon, text: str, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(make_daemon,
-                                                                           daemon_env):
+@pytest.mark.parametrize("continue_streams", [True, False], ids=["continued", "setting-off"])
+def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(
+    make_daemon, daemon_env, continue_streams
+):
     _, db, _ = daemon_env
-    first = make_daemon().start()
+    setting = {"CONTINUE_STREAMS": str(continue_streams).lower()}
+    first = make_daemon(**setting).start()
     running = first.enqueue(
         prompt="Tell a long story.", params={"max_tokens": 200, "ignore_eos": True}
     )
@@ -192,12 +195,16 @@ def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(make
     first.wait_for(running.id, "token")
     first.stop(signal.SIGKILL)
     queued = first.enqueue(prompt="The capital of France is", params=GREEDY)  # no daemon alive now
-    second = make_daemon(model=first.model).start()
+    second = make_daemon(model=first.model, **setting).start()
     events = second.events(running.id, timeout_s=120)
     _, kind, done = events[-1]
-    assert (kind, done["finish_reason"], done["resumed"]) == ("done", "length", 1)
-    assert sum(d["n_tokens"] for _, k, d in events if k == "token") == 200
-    assert db.row(running.id)["status"] == "done"
+    if continue_streams:
+        assert (kind, done["finish_reason"], done["resumed"]) == ("done", "length", 1)
+        assert sum(d["n_tokens"] for _, k, d in events if k == "token") == 200
+        assert db.row(running.id)["status"] == "done"
+    else:  # the old contract: a request that had streamed ends with the death
+        assert (kind, done["code"]) == ("error", "inference_interrupted")
+        assert db.row(running.id)["error_code"] == "inference_interrupted"
     assert second.events(queued.id)[-1][1] == "done"
     pending = second.redis.xpending(protocol.jobs_stream(first.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0

@@ -39,6 +39,7 @@ CONFIG_SETTINGS = (
     "CACHE_PROMPT",
     "PROMPT_CACHE_RAM_MB",
     "STREAM_INTERVAL_MS",
+    "CONTINUE_STREAMS",
     "MAX_QUEUE_PER_TENANT",
     "KV_TENANT_SHARE",
 )
@@ -99,6 +100,7 @@ class Command(BaseCommand):
             fault_injection=settings.FAULT_INJECTION,
             history=DatabaseHistory(),
         )
+        daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
         core.start()
         daemon.start()
         self.stdout.write(f"scheduler daemon {daemon.daemon_id} ready", ending="\n")
