@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
 
+import redis
 from django.conf import settings
 from django.utils import timezone
 
@@ -27,6 +28,7 @@ from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import protocol
+from wire.errors import SERVICE_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +70,15 @@ async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
 async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     """Create the history row and queue a checked request for a daemon of its model.
 
-    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit.
+    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit;
+    503 ``service_unavailable`` (Retry-After) when Redis does not answer or refuses: no row
+    is left queued (one already made is closed as failed) and the slot is released.
     """
-    if not await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S):
+    try:
+        served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
+    except redis.RedisError as exc:
+        raise _redis_unavailable(exc) from exc
+    if not served:
         if parsed.model == settings.MODEL_NAME:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
@@ -81,14 +89,18 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         row = await asyncio.shield(admission)  # the database thread finishes it either way
     except asyncio.CancelledError:
         if not admission.cancelled() and await _settled(admission):
-            await db.run(_abandon, api_key.tenant_id, request_id)
+            await _abandon(api_key.tenant_id, request_id)
         raise
     try:
         async with CancelIfAbandoned(request_id):
             job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
             await broker.enqueue(job)
+    except redis.RedisError as exc:
+        log.warning("Redis refused the job of request %s: %r", request_id, exc)
+        await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE)
+        raise _redis_unavailable(exc) from exc
     except BaseException:
-        await db.run(_abandon, api_key.tenant_id, request_id)
+        await _abandon(api_key.tenant_id, request_id)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
 
@@ -102,22 +114,42 @@ async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
     return True
 
 
-def _abandon(tenant_id: int, request_id: str) -> None:
-    """A request admitted but never queued (its caller went away, or queueing failed):
-    its row ends cancelled; its slot and token reservation are freed."""
+async def _abandon(tenant_id: int, request_id: str, error_code: str = "") -> None:
+    """A request admitted but never queued: its row ends cancelled (its caller went away) or
+    failed with ``error_code`` (Redis refused the job); its slot and token reservation are
+    freed, once Redis answers if it does not now (``limits.release_soon``)."""
     try:
-        history.abandon(request_id)
+        if error_code:
+            await db.run(history.close_failed, request_id, error_code)
+        else:
+            await db.run(history.abandon, request_id)
     finally:
-        limits.release_sync(tenant_id, request_id)
+        await limits.release_soon(tenant_id, request_id)
+
+
+def _redis_unavailable(exc: redis.RedisError) -> ApiError:
+    """Redis away or refusing (a full or read-only Redis): 503 with Retry-After."""
+    if isinstance(exc, ApiError):
+        return exc  # RedisBusy, RedisDown: typed already
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return broker.RedisDown()
+    return broker.RedisDown("The service's queue (Redis) refused this request; try again "
+                            "shortly.")
 
 
 def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
                       request_id: str) -> InferenceRequest:
     """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
     anything is stored or queued), then create the history row. One trip to the database
-    thread for both."""
+    thread for both. Redis away: 503, and no row."""
     reserve = limits.reservation(parsed.prompt, parsed.messages, parsed.params.get("max_tokens"))
-    limits.admit_key_sync(api_key, request_id, reserve=reserve)
+    try:
+        limits.admit_key_sync(api_key, request_id, reserve=reserve)
+    except redis.RedisError as exc:
+        # the script may have run with only its reply lost: free what it may hold (the
+        # slot's expiry bounds it when Redis is away)
+        limits.release_quietly_sync(api_key.tenant_id, request_id)
+        raise _redis_unavailable(exc) from exc
     try:
         return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
                               parsed.model, parsed.session)

@@ -25,11 +25,13 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from wire import errors, protocol
+from wire.backoff import Backoff
 from wire.errors import Refusal
 
 from .core import InferenceCore
@@ -113,6 +115,7 @@ class Intake:
             client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
         )
         self._last_reclaim = time.monotonic()
+        self._outage = Backoff("reading jobs", log)  # the reader thread's
 
     def ensure_group(self) -> None:
         """Create the jobs stream's consumer group if it is not there."""
@@ -154,17 +157,20 @@ class Intake:
                 count=count,
                 block=500,
             )
+            self._outage.succeeded()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 log.exception("reading jobs failed; retrying in 1 s")
                 time.sleep(1)
                 return []
             log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
-            self.ensure_group()
+            try:
+                self.ensure_group()
+            except redis.RedisError as lost:  # gone again: the next read tries again
+                time.sleep(self._outage.failed(lost))
             return []
-        except redis.RedisError:
-            log.exception("reading jobs failed; retrying in 1 s")
-            time.sleep(1)
+        except redis.RedisError as exc:  # Redis away (a restart): wait for it, never give up
+            time.sleep(self._outage.failed(exc))
             return []
         return [entry for _stream, entries in reply or [] for entry in entries]
 
@@ -202,6 +208,11 @@ class Intake:
         """Start one job; any failure ends that job alone with an error event."""
         try:
             self._start_job(entry_id, job)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Redis away and the daemon stopping: nothing ran; the entry stays pending
+            # under this id, for the daemon that recovers it
+            log.warning("job %s not started: Redis is away and the daemon stops", job.id)
+            self.writer.release(job.id)
         except Exception:
             log.exception("starting job %s failed; it ends with an error, alone", job.id)
             self.writer.release(job.id)
@@ -225,13 +236,17 @@ class Intake:
             return
         self.writer.track(job.id, job.tenant_id)
         fingerprint = job_fingerprint(job)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(protocol.cancel_key(job.id))
-        pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
-        # Before any native code sees the job: if it kills this daemon, the next one knows
-        # the job was running here (recovery.py). Its terminal event removes the record.
-        pipe.hset(self.running_key, job.id, fingerprint)
-        cancelled, quarantined, _ = pipe.execute()
+
+        def checks() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.exists(protocol.cancel_key(job.id))
+            pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
+            # Before any native code sees the job: if it kills this daemon, the next one
+            # knows the job was running here (recovery.py). Its terminal event removes it.
+            pipe.hset(self.running_key, job.id, fingerprint)
+            return pipe.execute()
+
+        cancelled, quarantined, _ = self._while_redis_away(checks)
         if cancelled:
             self.writer.terminal(job.id, entry_id, protocol.DONE, cancelled_before_start())
             return
@@ -253,6 +268,20 @@ class Intake:
                 self.core.cancel(job.id)
         except redis.RedisError:
             log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def _while_redis_away(self, call: Callable[[], Any]) -> Any:
+        """``call()``, tried again while Redis is away (a restart): the job waits for Redis
+        rather than fail for it. Gives up when the daemon stops taking jobs."""
+        outage = Backoff("starting a job", log)
+        while True:
+            try:
+                result = call()
+                outage.succeeded()
+                return result
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if not self.lifecycle.taking_jobs:
+                    raise
+                time.sleep(outage.failed(exc))
 
     def refuse(self, request_id: str, entry_id: str, refusal: Refusal) -> None:
         """Answer a job the daemon will not run with its error event (and count it)."""

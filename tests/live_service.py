@@ -435,3 +435,59 @@ def shared_daemon(web: WebServer, role: str = "main") -> RealDaemon:
         _daemons[role] = RealDaemon(web, f"gemma-{role}-{uuid.uuid4().hex[:6]}").start()
         atexit.register(_daemons[role].stop)
     return _daemons[role]
+
+
+# -- a Redis of a test's own (the fault tests restart it; never the shared one) ------------------
+
+
+class RedisServer:
+    """``redis-server`` on a free port of 127.0.0.1, its data (AOF, ``appendfsync everysec``,
+    as in docker-compose.yml) in a directory of its own: ``stop`` and ``start`` again is a
+    Redis restart that keeps what was written."""
+
+    def __init__(self, directory: Path | None = None, port: int | None = None) -> None:
+        self.dir = directory or Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30) -> RedisServer:
+        argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+                "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+                "--appendonly", "yes", "--appendfsync", "everysec", "--loglevel", "warning",
+                "--logfile", str(self.dir / "redis.log")]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if client.ping():  # answers once the AOF is loaded (LOADING before)
+                        return self
+                except redis.RedisError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on {self.port}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
+        """SIGTERM: Redis fsyncs the AOF and exits; SIGKILL: up to a second of writes lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout_s)
+
+    def restart(self, down_s: float = 0.0, sig: int = signal.SIGTERM) -> None:
+        """Stop, stay down ``down_s``, start again on the same port and directory."""
+        self.stop(sig)
+        time.sleep(down_s)
+        self.start()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+
+    def close(self) -> None:
+        """Stop for good and remove the data."""
+        self.stop(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
