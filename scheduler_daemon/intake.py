@@ -180,7 +180,9 @@ class Intake:
         self._last_reclaim = time.monotonic()
         try:
             self.recovery.reclaim_dead()
-        except Exception:  # Redis away, a bug: try again next interval, keep reading
+        except redis.ConnectionError as exc:  # Redis away: the reader says so already
+            log.warning("reclaiming dead daemons' jobs failed (Redis: %s)", exc)
+        except Exception:  # a bug: try again next interval, keep reading
             log.exception("reclaiming dead daemons' jobs failed")
 
     def _take(self, entry_id: str, fields: dict[Any, Any]) -> None:
