@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aredis
 from django.conf import settings
+from redis.asyncio import retry as aretry
+from redis.backoff import NoBackoff
 
 from config.env import env_float
 from inference.errors import ApiError
@@ -168,6 +170,12 @@ class StreamEvent:
         return self.kind in protocol.TERMINAL
 
 
+# After a Redis restart every idle pooled connection is dead, and the asyncio pool hands
+# them out unchecked (it sees the server's close only once it has read it): one retry on a
+# fresh connection, at once; a Redis that is really away fails that one too.
+STALE_CONNECTION_RETRY = aretry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+
+
 def async_client() -> aredis.Redis:
     """The running loop's client for settings.REDIS_URL (its pool: ``PoolConfig``)."""
     state = _state()
@@ -176,7 +184,7 @@ def async_client() -> aredis.Redis:
         pool = _Pool.from_url(
             url, max_connections=state.config.max_connections,
             wait_s=state.config.pool_timeout_s, socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=2,
+            socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY,
         )
         state.clients[url] = aredis.Redis(connection_pool=pool)
     return state.clients[url]
@@ -277,6 +285,16 @@ async def is_served(model: str, max_age_s: float = 0.0) -> bool:
     seen = _seen_served.get(model)
     if seen is not None and time.monotonic() - seen <= max_age_s:
         return True
+    if model in await live_models(patient=False):
+        return True
+    if seen is None:
+        return False
+    # Served before: Redis may have restarted a moment ago, its daemons' heartbeats (expired
+    # while it was away) not yet back. Asked again once they must be.
+    uptime_s = (await async_client().info("server"))["uptime_in_seconds"]
+    if uptime_s >= RESTART_SETTLE_S:
+        return False
+    await asyncio.sleep(RESTART_SETTLE_S - uptime_s)
     return model in await live_models(patient=False)
 
 

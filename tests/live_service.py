@@ -142,13 +142,14 @@ def free_port() -> int:
 
 
 class WebServer:
-    """daphne serving config.asgi on 127.0.0.1 with its own database."""
+    """daphne serving config.asgi on 127.0.0.1 with its own database. ``redis_url``: another
+    Redis than the tests' (a test that restarts its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str | None = None) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="web-test-"))
         self.database = OwnDatabase(self.tmp, "web")
         self.env = {
-            **os.environ, "REDIS_URL": TEST_REDIS_URL, "DEBUG": "true",
+            **os.environ, "REDIS_URL": redis_url or TEST_REDIS_URL, "DEBUG": "true",
             "DATABASE_URL": self.database.url,
             "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
             "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
@@ -376,7 +377,7 @@ def echo(standin: StandIn, job: protocol.Job) -> None:
 
 
 class RealDaemon:
-    """``manage.py run_scheduler`` (Gemma) on the web server's database and the test Redis."""
+    """``manage.py run_scheduler`` (Gemma) on the web server's database and Redis."""
 
     def __init__(self, web: WebServer, model: str, **settings: str) -> None:
         self.model = model
@@ -385,7 +386,7 @@ class RealDaemon:
         self.env = {**web.env, "MODEL_NAME": model, "DEFAULT_MAX_TOKENS": "16", **settings}
         self.log_path = web.tmp / f"{model}.log"
         self.proc: subprocess.Popen | None = None
-        self.redis = redis_conn()
+        self.redis = redis.Redis.from_url(self.env["REDIS_URL"])
 
     def start(self, timeout_s: float = 180) -> RealDaemon:
         self.daemon_id = f"test-{uuid.uuid4().hex[:8]}"
@@ -447,6 +448,7 @@ class RedisServer:
 
     def __init__(self, directory: Path | None = None, port: int | None = None) -> None:
         self.dir = directory or Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None

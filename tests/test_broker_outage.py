@@ -4,7 +4,6 @@ Each test starts and stops a redis-server of its own (tests/live_service.RedisSe
 
 import asyncio
 import threading
-import time
 import uuid
 
 import pytest
