@@ -10,18 +10,23 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aredis
 from django.conf import settings
+from redis.asyncio import retry as aretry
+from redis.backoff import NoBackoff
 
 from config.env import env_float
 from inference.errors import ApiError
 from wire import ownership, protocol
+from wire.backoff import Backoff
+
+T = TypeVar("T")
 
 SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 
@@ -42,6 +47,15 @@ WEB_REDIS_POOL_TIMEOUT_S = 5.0  # how long a command waits for a free connection
 READ_POLL_S = 0.1
 POOL_RETRY_S = 0.01  # how often a command waiting for a connection looks again
 BUSY_RETRY_AFTER_S = 1
+# Redis away (a restart: AOF keeps the queue and the streams): a reader of a request's
+# stream and its liveness checks retry with backoff (wire/backoff.py) this long, then
+# RedisDown ends the request typed. New requests are refused at once (503, Retry-After).
+REDIS_OUTAGE_S = 10.0
+OUTAGE_RETRY_AFTER_S = 5
+# Heartbeat keys expire while Redis is away longer than their TTL, and a live daemon
+# publishes its own again within a heartbeat interval of Redis answering: a check that
+# lived through an outage waits this long before it takes a missing key for a dead daemon.
+RESTART_SETTLE_S = protocol.HEARTBEAT_TTL_S
 
 
 class RedisBusy(ApiError, redis.ConnectionError):
@@ -52,6 +66,17 @@ class RedisBusy(ApiError, redis.ConnectionError):
     def __init__(self, message: str) -> None:
         super().__init__("service_unavailable", message,
                          headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
+
+
+class RedisDown(ApiError, redis.ConnectionError):
+    """503 ``service_unavailable``: Redis does not answer (down, restarting) or refused a
+    write. An ApiError (answered as such by the views and the websocket) and a
+    ConnectionError (code that tolerates Redis being away tolerates this too)."""
+
+    def __init__(self, message: str = "The service's queue (Redis) is not answering; "
+                 "try again shortly.") -> None:
+        super().__init__("service_unavailable", message,
+                         headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +170,12 @@ class StreamEvent:
         return self.kind in protocol.TERMINAL
 
 
+# After a Redis restart every idle pooled connection is dead, and the asyncio pool hands
+# them out unchecked (it sees the server's close only once it has read it): one retry on a
+# fresh connection, at once; a Redis that is really away fails that one too.
+STALE_CONNECTION_RETRY = aretry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+
+
 def async_client() -> aredis.Redis:
     """The running loop's client for settings.REDIS_URL (its pool: ``PoolConfig``)."""
     state = _state()
@@ -153,7 +184,7 @@ def async_client() -> aredis.Redis:
         pool = _Pool.from_url(
             url, max_connections=state.config.max_connections,
             wait_s=state.config.pool_timeout_s, socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=2,
+            socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY,
         )
         state.clients[url] = aredis.Redis(connection_pool=pool)
     return state.clients[url]
@@ -238,9 +269,11 @@ def send_command_sync(daemon_id: str, action: str, **args: Any) -> str:
 _seen_served: dict[str, float] = {}  # model -> when a live daemon was last seen serving it
 
 
-async def live_models() -> set[str]:
-    """Models at least one live daemon serves."""
-    models = {snap.get("model", "") for snap in await live_daemons()}
+async def live_models(patient: bool = True) -> set[str]:
+    """Models at least one live daemon serves. ``patient``: a reader's check, which waits out
+    an outage (``_settled``); else Redis errors are raised at once (a new request)."""
+    snapshots = await (_settled(live_daemons) if patient else live_daemons())
+    models = {snap.get("model", "") for snap in snapshots}
     now = time.monotonic()
     _seen_served.update(dict.fromkeys(models, now))
     return models
@@ -252,11 +285,57 @@ async def is_served(model: str, max_age_s: float = 0.0) -> bool:
     seen = _seen_served.get(model)
     if seen is not None and time.monotonic() - seen <= max_age_s:
         return True
-    return model in await live_models()
+    if model in await live_models(patient=False):
+        return True
+    if seen is None:
+        return False
+    # Served before: Redis may have restarted a moment ago, its daemons' heartbeats (expired
+    # while it was away) not yet back. Asked again once they must be.
+    uptime_s = (await async_client().info("server"))["uptime_in_seconds"]
+    if uptime_s >= RESTART_SETTLE_S:
+        return False
+    await asyncio.sleep(RESTART_SETTLE_S - uptime_s)
+    return model in await live_models(patient=False)
 
 
 async def daemon_alive(daemon_id: str) -> bool:
-    return bool(await async_client().exists(protocol.daemon_key(daemon_id)))
+    """Whether the daemon's heartbeat key exists (waiting out an outage: ``_settled``)."""
+    key = protocol.daemon_key(daemon_id)
+    return bool(await _settled(lambda: async_client().exists(key)))
+
+
+async def _settled(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()`` (a liveness check), retried while Redis is away; when it lived through an
+    outage, asked again RESTART_SETTLE_S later (heartbeats expired meanwhile come back)."""
+    result, outage = await _through_outage(call)
+    if outage:
+        await asyncio.sleep(RESTART_SETTLE_S)
+        result, _ = await _through_outage(call)
+    return result
+
+
+async def _through_outage(call: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+    """``call()``'s result, retried with backoff while Redis is away, and whether it was;
+    RedisDown when Redis stays away REDIS_OUTAGE_S."""
+    outage = Backoff()
+    while True:
+        try:
+            result = await call()
+        except ApiError:
+            raise  # RedisBusy: this process's own capacity, not an outage
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            await _wait_out(outage, exc)
+            continue
+        return result, outage.succeeded() is not None
+
+
+async def _wait_out(outage: Backoff, error: Exception) -> None:
+    """Sleep before the next try (raise RedisDown instead once REDIS_OUTAGE_S are gone)."""
+    delay = outage.failed(error)
+    left = REDIS_OUTAGE_S - outage.failing_for()
+    if left <= 0:
+        raise RedisDown() from error
+    await asyncio.sleep(min(delay, left))
 
 
 # -- jobs, events, cancels -------------------------------------------------------------------
@@ -286,7 +365,30 @@ async def read_events(
     request_id: str, after: str, block_ms: int, count: int | None = None
 ) -> list[StreamEvent]:
     """Entries after ``after`` ("0-0": from the start), blocking up to ``block_ms``: in
-    XREAD BLOCK when the blocking share of the pool has room, else by polling."""
+    XREAD BLOCK when the blocking share of the pool has room, else by polling.
+
+    Redis away (a restart): retried with backoff; RedisDown (503 ``service_unavailable``)
+    once it has been away REDIS_OUTAGE_S. After an outage an empty read is returned only
+    RESTART_SETTLE_S after Redis answered again: the caller then checks for a live daemon,
+    whose heartbeat may have expired meanwhile (and whose events may wait in its buffer)."""
+    outage = Backoff()
+    settle_until = 0.0
+    while True:
+        try:
+            events = await _read_events(request_id, after, block_ms, count)
+        except ApiError:
+            raise  # RedisBusy: this process's own capacity, not an outage
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            await _wait_out(outage, exc)
+            continue
+        if outage.succeeded() is not None:
+            settle_until = time.monotonic() + RESTART_SETTLE_S
+        if events or time.monotonic() >= settle_until:
+            return events
+
+
+async def _read_events(request_id: str, after: str, block_ms: int,
+                       count: int | None) -> list[StreamEvent]:
     client = async_client()
     streams = {protocol.events_stream(request_id): after}
     blocking = _state().blocking

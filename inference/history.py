@@ -2,7 +2,8 @@
 goes through is an entry point here.
 
 - the web creates a row when it admits a request (``create``), ends one it admitted but
-  never queued (``abandon``), and closes one whose daemon died (``close_interrupted``);
+  never queued (``abandon``: its caller went away; ``close_failed``: Redis refused its job),
+  and closes one whose daemon died (``close_interrupted``);
 - the daemon reports ``running`` and the end through ``DatabaseHistory``, the sink
   ``run_scheduler`` hands the daemon (the daemon never imports this app's models).
 
@@ -39,6 +40,14 @@ def abandon(request_id: str) -> None:
     """A request admitted but never queued (its caller went away): it ends cancelled."""
     InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
         status=status.CANCELLED, finish_reason="cancelled", finished=timezone.now(),
+    )
+
+
+def close_failed(request_id: str, error_code: str) -> None:
+    """A request admitted but never queued because Redis refused its job: status error."""
+    InferenceRequest.objects.filter(id=request_id, finished__isnull=True).update(
+        status=status.ERROR, error_code=error_code, finish_reason="error",
+        finished=timezone.now(),
     )
 
 

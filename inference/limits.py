@@ -18,12 +18,14 @@ import math
 import time
 import uuid
 
+import redis
 from django.conf import settings
 
 from accounts.models import ApiKey, Tenant
 from inference import broker
 from inference.errors import ApiError
 from wire import limits as wire_limits
+from wire.backoff import Backoff
 from wire.limits import (  # noqa: F401  (re-exported: what the web's callers name)
     BUDGET_EXCEEDED,
     CONCURRENCY_LIMITED,
@@ -114,6 +116,48 @@ def release_sync(tenant_id: int | str, request_id: str) -> None:
     pipe = broker.sync_client().pipeline(transaction=False)
     wire_limits.release(pipe, str(tenant_id), request_id)
     pipe.execute()
+
+
+def release_quietly_sync(tenant_id: int | str, request_id: str) -> None:
+    """``release_sync`` that never raises: a slot Redis cannot free now expires (its score)."""
+    try:
+        release_sync(tenant_id, request_id)
+    except redis.RedisError as exc:
+        log.warning("could not release the slot of %s now (%r); it expires", request_id, exc)
+
+
+async def release_soon(tenant_id: int | str, request_id: str) -> None:
+    """``release_sync`` from async code. Redis away: retried with backoff in the background
+    until it answers (the slot is free the moment Redis is back), for at most the slot's
+    TTL, past which the next admission drops the slot anyway. Never raises."""
+    try:
+        await _release(str(tenant_id), request_id)
+    except redis.RedisError:
+        task = asyncio.ensure_future(_release_when_back(str(tenant_id), request_id))
+        _releasing.add(task)  # a task nothing references may be collected before it ends
+        task.add_done_callback(_releasing.discard)
+
+
+_releasing: set[asyncio.Future[None]] = set()
+
+
+async def _release(tenant_id: str, request_id: str) -> None:
+    pipe = broker.async_client().pipeline(transaction=False)
+    wire_limits.release(pipe, tenant_id, request_id)
+    await pipe.execute()
+
+
+async def _release_when_back(tenant_id: str, request_id: str) -> None:
+    outage = Backoff()
+    give_up = time.monotonic() + slot_ttl_s()
+    while time.monotonic() < give_up:
+        await asyncio.sleep(outage.failed())
+        try:
+            await _release(tenant_id, request_id)
+            return
+        except redis.RedisError:
+            continue
+    log.warning("gave up releasing the slot of %s: it has expired by now", request_id)
 
 
 def take_resume_slot_sync(api_key: ApiKey, ttl_s: float, now: float | None = None) -> str:

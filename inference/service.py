@@ -28,6 +28,7 @@ from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import errors, ownership, protocol
+from wire.errors import SERVICE_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ BLOCK_MS = 1000  # longest single XREAD BLOCK: the dead-daemon check runs at lea
 # A model seen served this recently is taken as live when a request is queued; a daemon that
 # died since is caught by the wait for its answer (``_wait_first`` asks afresh).
 LIVE_MODELS_MAX_AGE_S = 1.0
-GUARD_GRACE_TICKS = 5
-BACKSTOP_MARGIN_S = 5.0  # the web's own REQUEST_TIMEOUT_S waits this much past the daemon's  # empty reads to wait for an interrupted event someone else claimed
+GUARD_GRACE_TICKS = 5  # empty reads to wait for an interrupted event someone else claimed
+BACKSTOP_MARGIN_S = 5.0  # the web's own REQUEST_TIMEOUT_S waits this much past the daemon's
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +71,15 @@ async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
 async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     """Create the history row and queue a checked request for a daemon of its model.
 
-    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit.
+    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit;
+    503 ``service_unavailable`` (Retry-After) when Redis does not answer or refuses: no row
+    is left queued (one already made is closed as failed) and the slot is released.
     """
-    if not await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S):
+    try:
+        served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
+    except redis.RedisError as exc:
+        raise _redis_unavailable(exc) from exc
+    if not served:
         if parsed.model == settings.MODEL_NAME:
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
@@ -83,14 +90,18 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         row = await asyncio.shield(admission)  # the database thread finishes it either way
     except asyncio.CancelledError:
         if not admission.cancelled() and await _settled(admission):
-            await db.run(_abandon, api_key.tenant_id, request_id)
+            await _abandon(api_key.tenant_id, request_id)
         raise
     try:
         async with CancelIfAbandoned(request_id):
             job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
             await broker.enqueue(job)
+    except redis.RedisError as exc:
+        log.warning("Redis refused the job of request %s: %r", request_id, exc)
+        await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE)
+        raise _redis_unavailable(exc) from exc
     except BaseException:
-        await db.run(_abandon, api_key.tenant_id, request_id)
+        await _abandon(api_key.tenant_id, request_id)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
 
@@ -104,22 +115,42 @@ async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
     return True
 
 
-def _abandon(tenant_id: int, request_id: str) -> None:
-    """A request admitted but never queued (its caller went away, or queueing failed):
-    its row ends cancelled; its slot and token reservation are freed."""
+async def _abandon(tenant_id: int, request_id: str, error_code: str = "") -> None:
+    """A request admitted but never queued: its row ends cancelled (its caller went away) or
+    failed with ``error_code`` (Redis refused the job); its slot and token reservation are
+    freed, once Redis answers if it does not now (``limits.release_soon``)."""
     try:
-        history.abandon(request_id)
+        if error_code:
+            await db.run(history.close_failed, request_id, error_code)
+        else:
+            await db.run(history.abandon, request_id)
     finally:
-        limits.release_sync(tenant_id, request_id)
+        await limits.release_soon(tenant_id, request_id)
+
+
+def _redis_unavailable(exc: redis.RedisError) -> ApiError:
+    """Redis away or refusing (a full or read-only Redis): 503 with Retry-After."""
+    if isinstance(exc, ApiError):
+        return exc  # RedisBusy, RedisDown: typed already
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return broker.RedisDown()
+    return broker.RedisDown("The service's queue (Redis) refused this request; try again "
+                            "shortly.")
 
 
 def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
                       request_id: str) -> InferenceRequest:
     """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
     anything is stored or queued), then create the history row. One trip to the database
-    thread for both."""
+    thread for both. Redis away: 503, and no row."""
     reserve = limits.reservation(parsed.prompt, parsed.messages, parsed.params.get("max_tokens"))
-    limits.admit_key_sync(api_key, request_id, reserve=reserve)
+    try:
+        limits.admit_key_sync(api_key, request_id, reserve=reserve)
+    except redis.RedisError as exc:
+        # the script may have run with only its reply lost: free what it may hold (the
+        # slot's expiry bounds it when Redis is away)
+        limits.release_quietly_sync(api_key.tenant_id, request_id)
+        raise _redis_unavailable(exc) from exc
     try:
         return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
                               parsed.model, parsed.session)
@@ -211,7 +242,7 @@ async def _follow(request_id: str, after: str, model: str, daemon_id: str | None
     while True:
         try:
             batch = await broker.read_events(request_id, after, BLOCK_MS)
-        except redis.ConnectionError:  # Redis stayed away (broker.read_events retried)
+        except (redis.ConnectionError, redis.TimeoutError):  # Redis stayed away (retried)
             yield _synthetic_error(errors.SERVICE_UNAVAILABLE,
                                    "The service lost its queue (Redis); the request's end is "
                                    "unknown. Resume it with its last event id.")

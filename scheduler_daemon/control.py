@@ -13,13 +13,13 @@ Two threads, both until the lifecycle reaches ``STOPPING``:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from wire import protocol
+from wire.backoff import Backoff
 
 from .core import InferenceCore
 from .lifecycle import Lifecycle, State
@@ -49,32 +49,57 @@ class Control:
         self.on_change = on_change
 
     def cancel_loop(self) -> None:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(protocol.CANCEL_CHANNEL)
+        outage = Backoff("listening for cancels", log)
+        pubsub = None
         try:
             while self.lifecycle.running:
                 try:
+                    if pubsub is None:
+                        pubsub = self._subscribe()
+                        outage.succeeded()
                     message = pubsub.get_message(timeout=0.5)
-                except redis.RedisError:
-                    log.exception("cancel channel failed; resubscribing in 1 s")
-                    time.sleep(1)
-                    pubsub.close()
-                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                    pubsub.subscribe(protocol.CANCEL_CHANNEL)
+                except redis.RedisError as exc:
+                    # Redis away (a restart): subscribe afresh once it answers again
+                    if pubsub is not None:
+                        pubsub.close()
+                        pubsub = None
+                    self.lifecycle.wait_for({State.STOPPING, State.STOPPED}, outage.failed(exc))
                     continue
                 if message and message["type"] == "message":
                     self.core.cancel(as_text(message["data"]))
         finally:
+            if pubsub is not None:
+                pubsub.close()
+
+    def _subscribe(self) -> redis.client.PubSub:
+        """A subscription to the cancel channel, then the durable cancel flags of the requests
+        here: a cancel published while this daemon was not subscribed (Redis restarting) is
+        never delivered again, but its flag stays."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(protocol.CANCEL_CHANNEL)
+            ids = list(self.core.scheduler.request_ids())
+            if ids:
+                pipe = self.redis.pipeline(transaction=False)
+                for request_id in ids:
+                    pipe.exists(protocol.cancel_key(request_id))
+                for request_id, flagged in zip(ids, pipe.execute(), strict=True):
+                    if flagged:
+                        self.core.cancel(request_id)
+        except BaseException:
             pubsub.close()
+            raise
+        return pubsub
 
     def command_loop(self) -> None:
         stream, last = protocol.control_stream(self.daemon_id), "$"
+        outage = Backoff("reading control commands", log)
         while self.lifecycle.running:
             try:
                 reply = self.redis.xread({stream: last}, block=500)
-            except redis.RedisError:
-                log.exception("reading control commands failed; retrying in 1 s")
-                time.sleep(1)
+                outage.succeeded()
+            except redis.RedisError as exc:
+                self.lifecycle.wait_for({State.STOPPING, State.STOPPED}, outage.failed(exc))
                 continue
             for _name, entries in reply or []:
                 for entry_id, fields in entries:

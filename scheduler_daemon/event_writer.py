@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from wire import limits, protocol
+from wire.backoff import Backoff
 
 from .history import HistorySink, NoHistory
 from .lifecycle import Lifecycle
@@ -197,6 +198,7 @@ class EventWriter:
 
     def run(self) -> None:
         """Flush whenever something is due, until the lifecycle reaches STOPPING."""
+        outage = Backoff("writing events", log)  # Redis away: the events wait in the buffer
         while self.lifecycle.running:
             with self._cond:
                 wait = self._flush_wait_s()
@@ -208,9 +210,9 @@ class EventWriter:
                 continue
             try:
                 self.flush()
-            except redis.RedisError:
-                log.exception("writing events to Redis failed; retrying")
-                time.sleep(0.5)
+                outage.succeeded()
+            except redis.RedisError as exc:
+                time.sleep(outage.failed(exc))
             except Exception:  # a bug here must not stop every stream of this daemon
                 log.exception("the event writer failed; carrying on")
                 time.sleep(0.5)

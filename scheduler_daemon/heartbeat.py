@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from wire import protocol
+from wire.backoff import Backoff
 
 from .core import InferenceCore
 from .lifecycle import Lifecycle, State
@@ -80,14 +81,19 @@ class Heartbeat:
         pipe.execute()
 
     def run(self) -> None:
+        # Redis away: retried with backoff, but never slower than the usual interval (a
+        # daemon must beat within a second of Redis coming back, or it looks dead)
+        outage = Backoff("publishing the heartbeat", log)
         while self.lifecycle.running:
+            wait_s = protocol.HEARTBEAT_INTERVAL_S
             try:
                 self.beat()
-            except redis.RedisError:
-                log.exception("publishing the heartbeat failed; retrying")
+                outage.succeeded()
+            except redis.RedisError as exc:
+                wait_s = min(wait_s, outage.failed(exc))
             except Exception:  # a bug in a snapshot must not silence the daemon for good
                 log.exception("building the heartbeat failed; retrying")
-            self.lifecycle.wait_for({State.STOPPING, State.STOPPED}, protocol.HEARTBEAT_INTERVAL_S)
+            self.lifecycle.wait_for({State.STOPPING, State.STOPPED}, wait_s)
 
     def remove(self) -> None:
         """On the way out: this daemon is gone at once (no wait for the TTL)."""

@@ -25,11 +25,13 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from wire import errors, ownership, protocol
+from wire.backoff import Backoff
 from wire.errors import Refusal
 
 from .core import InferenceCore
@@ -117,6 +119,7 @@ class Intake:
         )
         self._last_reclaim = time.monotonic()
         self._take_owner = client.register_script(ownership.TAKE)
+        self._outage = Backoff("reading jobs", log)  # the reader thread's
 
     def ensure_group(self) -> None:
         """Create the jobs stream's consumer group if it is not there."""
@@ -158,17 +161,20 @@ class Intake:
                 count=count,
                 block=500,
             )
+            self._outage.succeeded()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 log.exception("reading jobs failed; retrying in 1 s")
                 time.sleep(1)
                 return []
             log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
-            self.ensure_group()
+            try:
+                self.ensure_group()
+            except redis.RedisError as lost:  # gone again: the next read tries again
+                time.sleep(self._outage.failed(lost))
             return []
-        except redis.RedisError:
-            log.exception("reading jobs failed; retrying in 1 s")
-            time.sleep(1)
+        except redis.RedisError as exc:  # Redis away (a restart): wait for it, never give up
+            time.sleep(self._outage.failed(exc))
             return []
         return [entry for _stream, entries in reply or [] for entry in entries]
 
@@ -178,7 +184,9 @@ class Intake:
         self._last_reclaim = time.monotonic()
         try:
             self.recovery.reclaim_dead()
-        except Exception:  # Redis away, a bug: try again next interval, keep reading
+        except redis.ConnectionError as exc:  # Redis away: the reader says so already
+            log.warning("reclaiming dead daemons' jobs failed (Redis: %s)", exc)
+        except Exception:  # a bug: try again next interval, keep reading
             log.exception("reclaiming dead daemons' jobs failed")
 
     def _take(self, entry_id: str, fields: dict[Any, Any]) -> None:
@@ -207,6 +215,11 @@ class Intake:
         """Start one job; any failure ends that job alone with an error event."""
         try:
             self._start_job(entry_id, job, takeover)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Redis away and the daemon stopping: nothing ran; the entry stays pending
+            # under this id, for the daemon that recovers it
+            log.warning("job %s not started: Redis is away and the daemon stops", job.id)
+            self.writer.release(job.id)
         except Exception:
             log.exception("starting job %s failed; it ends with an error, alone", job.id)
             self.writer.release(job.id)
@@ -229,17 +242,21 @@ class Intake:
             self.ack_quietly(entry_id)
             return
         fingerprint = job_fingerprint(job)
-        pipe = self.redis.pipeline(transaction=False)
-        # Ownership first: a request the web has given up on (or another daemon runs) is
-        # not this daemon's to start (wire/ownership.py).
-        self._take_owner(*ownership.take_args(job.id, self.daemon_id, "", self.daemon_id),
-                         client=pipe)
-        pipe.exists(protocol.cancel_key(job.id))
-        pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
-        # Before any native code sees the job: if it kills this daemon, the next one knows
-        # the job was running here (recovery.py). Its terminal event removes the record.
-        pipe.hset(self.running_key, job.id, fingerprint)
-        owned, cancelled, quarantined, _ = pipe.execute()
+
+        def checks() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            # Ownership first: a request the web has given up on (or another daemon runs)
+            # is not this daemon's to start (wire/ownership.py).
+            self._take_owner(*ownership.take_args(job.id, self.daemon_id, "", self.daemon_id),
+                             client=pipe)
+            pipe.exists(protocol.cancel_key(job.id))
+            pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
+            # Before any native code sees the job: if it kills this daemon, the next one
+            # knows the job was running here (recovery.py). Its terminal event removes it.
+            pipe.hset(self.running_key, job.id, fingerprint)
+            return pipe.execute()
+
+        owned, cancelled, quarantined, _ = self._while_redis_away(checks)
         if not owned:
             log.warning("job %s is owned elsewhere (or ended); entry %s dropped", job.id, entry_id)
             self.redis.hdel(self.running_key, job.id)
@@ -268,6 +285,20 @@ class Intake:
                 self.core.cancel(job.id)
         except redis.RedisError:
             log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def _while_redis_away(self, call: Callable[[], Any]) -> Any:
+        """``call()``, tried again while Redis is away (a restart): the job waits for Redis
+        rather than fail for it. Gives up when the daemon stops taking jobs."""
+        outage = Backoff("starting a job", log)
+        while True:
+            try:
+                result = call()
+                outage.succeeded()
+                return result
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if not self.lifecycle.taking_jobs:
+                    raise
+                time.sleep(outage.failed(exc))
 
     def refuse(self, request_id: str, entry_id: str, refusal: Refusal) -> None:
         """Answer a job the daemon will not run with its error event (and count it)."""

@@ -46,6 +46,11 @@ QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never
 # reclaim the same dead one at once only the first claim of each entry wins (at 0 the
 # second took the entries back and both daemons served the job).
 CLAIM_MIN_IDLE_MS = 1000
+# A consumer is dead only when its heartbeat key is gone *and* it has not read for this long
+# (XINFO CONSUMERS ``idle``; a live daemon reads every 0.5 s at most). The key alone is not
+# enough: it expires during a Redis outage longer than HEARTBEAT_TTL_S, and a live daemon
+# may take a moment after Redis returns to publish it again.
+CONSUMER_DEAD_IDLE_MS = int(3 * protocol.HEARTBEAT_TTL_S * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +89,9 @@ class Recovery:
         # inference_interrupted (a request served from the start is not affected)
         self.continue_streams = True
 
-    def reclaim_dead(self) -> int:
-        """Take over the pending jobs of consumers whose daemon is gone; returns how many."""
+    def reclaim_dead(self, dead_idle_ms: int = CONSUMER_DEAD_IDLE_MS) -> int:
+        """Take over the pending jobs of consumers whose daemon is gone (no heartbeat key, no
+        read for ``dead_idle_ms``); returns how many."""
         reclaimed = 0
         try:
             consumers = self.redis.xinfo_consumers(self.jobs_stream, protocol.JOBS_GROUP)
@@ -93,7 +99,9 @@ class Recovery:
             return 0
         for consumer in consumers:
             name = as_text(consumer["name"])
-            if name == self.daemon_id or self.redis.exists(protocol.daemon_key(name)):
+            if name == self.daemon_id or int(consumer["idle"]) <= dead_idle_ms:
+                continue  # a consumer that read lately is alive, heartbeat key or not
+            if self.redis.exists(protocol.daemon_key(name)):
                 continue
             pending = self.redis.xpending_range(
                 self.jobs_stream, protocol.JOBS_GROUP, "-", "+", count=1000, consumername=name

@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -219,9 +218,13 @@ def ensure_redis(url: str, start: bool) -> subprocess.Popen | None:
     server = shutil.which("redis-server") or install_redis()
     if redis_answers(url):  # the package's service may have started it
         return None
-    say(f"No Redis at {url}: starting {server} on port {port} (stops when this command does)")
-    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    argv += ["--dir", tempfile.gettempdir(), "--loglevel", "warning"]
+    data = redis_data_dir(port)
+    data.mkdir(parents=True, exist_ok=True)
+    say(f"No Redis at {url}: starting {server} on port {port} (stops when this command does); "
+        f"its data (AOF, fsync every second: a restart keeps the queue) is in {data}")
+    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes", "--appendfsync", "everysec"]
+    argv += ["--dir", str(data), "--loglevel", "warning"]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, process_group=0)
     deadline = time.monotonic() + 10
     while not redis_answers(url):
@@ -230,6 +233,13 @@ def ensure_redis(url: str, start: bool) -> subprocess.Popen | None:
             fail(f"redis-server did not come up on port {port}")
         time.sleep(0.2)
     return proc
+
+
+def redis_data_dir(port: int) -> Path:
+    """Where the Redis `make run` starts keeps its data: the user's state directory
+    ($XDG_STATE_HOME, else ~/.local/state), outside the checkout, one per port."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "llm-service" / f"redis-{port}"
 
 
 def install_redis() -> str:

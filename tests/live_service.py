@@ -142,13 +142,14 @@ def free_port() -> int:
 
 
 class WebServer:
-    """daphne serving config.asgi on 127.0.0.1 with its own database."""
+    """daphne serving config.asgi on 127.0.0.1 with its own database. ``redis_url``: another
+    Redis than the tests' (a test that restarts its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str | None = None) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="web-test-"))
         self.database = OwnDatabase(self.tmp, "web")
         self.env = {
-            **os.environ, "REDIS_URL": TEST_REDIS_URL, "DEBUG": "true",
+            **os.environ, "REDIS_URL": redis_url or TEST_REDIS_URL, "DEBUG": "true",
             "DATABASE_URL": self.database.url,
             "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
             "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
@@ -376,7 +377,7 @@ def echo(standin: StandIn, job: protocol.Job) -> None:
 
 
 class RealDaemon:
-    """``manage.py run_scheduler`` (Gemma) on the web server's database and the test Redis."""
+    """``manage.py run_scheduler`` (Gemma) on the web server's database and Redis."""
 
     def __init__(self, web: WebServer, model: str, **settings: str) -> None:
         self.model = model
@@ -385,7 +386,7 @@ class RealDaemon:
         self.env = {**web.env, "MODEL_NAME": model, "DEFAULT_MAX_TOKENS": "16", **settings}
         self.log_path = web.tmp / f"{model}.log"
         self.proc: subprocess.Popen | None = None
-        self.redis = redis_conn()
+        self.redis = redis.Redis.from_url(self.env["REDIS_URL"])
 
     def start(self, timeout_s: float = 180, daemon_id: str | None = None) -> RealDaemon:
         """``daemon_id``: run under this id (a restart, as the supervisor does it)."""
@@ -436,3 +437,60 @@ def shared_daemon(web: WebServer, role: str = "main") -> RealDaemon:
         _daemons[role] = RealDaemon(web, f"gemma-{role}-{uuid.uuid4().hex[:6]}").start()
         atexit.register(_daemons[role].stop)
     return _daemons[role]
+
+
+# -- a Redis of a test's own (the fault tests restart it; never the shared one) ------------------
+
+
+class RedisServer:
+    """``redis-server`` on a free port of 127.0.0.1, its data (AOF, ``appendfsync everysec``,
+    as in docker-compose.yml) in a directory of its own: ``stop`` and ``start`` again is a
+    Redis restart that keeps what was written."""
+
+    def __init__(self, directory: Path | None = None, port: int | None = None) -> None:
+        self.dir = directory or Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30) -> RedisServer:
+        argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+                "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+                "--appendonly", "yes", "--appendfsync", "everysec", "--loglevel", "warning",
+                "--logfile", str(self.dir / "redis.log")]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if client.ping():  # answers once the AOF is loaded (LOADING before)
+                        return self
+                except redis.RedisError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on {self.port}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
+        """SIGTERM: Redis fsyncs the AOF and exits; SIGKILL: up to a second of writes lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout_s)
+
+    def restart(self, down_s: float = 0.0, sig: int = signal.SIGTERM) -> None:
+        """Stop, stay down ``down_s``, start again on the same port and directory."""
+        self.stop(sig)
+        time.sleep(down_s)
+        self.start()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+
+    def close(self) -> None:
+        """Stop for good and remove the data."""
+        self.stop(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)

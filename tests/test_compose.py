@@ -74,3 +74,15 @@ def test_web_and_scheduler_get_the_required_variables(services):
         assert env["DATABASE_URL"].startswith("postgres")
         assert env["REDIS_URL"] == "redis://redis:6379/0"
         assert str(env["DEBUG"]).lower() == "false"
+
+
+def test_redis_keeps_its_data_across_restarts(services):
+    """AOF with an fsync every second, on a volume: a Redis restart keeps the queue."""
+    redis = services["redis"]
+    args = command(redis).split()
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert "--dir" not in args  # the image's working directory, /data, holds the AOF
+    volume = next(v.split(":")[0] for v in redis["volumes"] if v.split(":")[1] == "/data")
+    top = yaml.safe_load((BASE_DIR / "docker-compose.yml").read_text())["volumes"]
+    assert volume in top

@@ -44,12 +44,12 @@ def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
     claim = a_client.xclaim
 
     def b_claims_first(*args, **kwargs):  # b read the same pending list before a claimed
-        b.reclaim_dead()
+        b.reclaim_dead(dead_idle_ms=0)
         return claim(*args, **kwargs)
 
     a_client.xclaim = b_claims_first
     try:
-        a.reclaim_dead()
+        a.reclaim_dead(dead_idle_ms=0)
         assert served == ["b"]
     finally:
         client.delete(stream)
@@ -68,11 +68,11 @@ def test_a_dead_daemons_entries_too_recent_to_claim_are_not_dropped_with_its_con
     recovery = Recovery(client, stream, "daemon-a", NoWriter(),
                         lambda _e, j, _t: served.append(j.id), None)
     try:
-        recovery.reclaim_dead()  # just read: not idle long enough to claim
+        recovery.reclaim_dead(dead_idle_ms=0)  # just read: not idle long enough to claim
         time.sleep(1.2)
-        recovery.reclaim_dead()
+        recovery.reclaim_dead(dead_idle_ms=0)
         assert served == [job.id]
-        recovery.reclaim_dead()  # now without pending entries: the consumer goes
+        recovery.reclaim_dead(dead_idle_ms=0)  # now without pending entries: the consumer goes
         names = [c["name"] for c in client.xinfo_consumers(stream, protocol.JOBS_GROUP)]
         assert b"dead-daemon" not in names
     finally:
