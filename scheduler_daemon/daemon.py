@@ -24,6 +24,8 @@ from typing import Any
 
 import redis
 
+from wire import protocol
+
 from .control import Control
 from .core import InferenceCore
 from .event_writer import EventWriter
@@ -82,6 +84,7 @@ class SchedulerDaemon:
         """STARTING -> SERVING: the consumer group, a first heartbeat, this id's own pending
         jobs recovered, then the threads."""
         self.intake.ensure_group()
+        self.redis.delete(protocol.gone_key(self.daemon_id))  # back under this id
         self.heartbeat.beat()
         self.intake.recovery.reclaim_own()
         self.lifecycle.move(State.SERVING)

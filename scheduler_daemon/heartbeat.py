@@ -100,6 +100,7 @@ class Heartbeat:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(protocol.daemon_key(self.daemon_id))
         pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+        pipe.set(protocol.gone_key(self.daemon_id), 1, ex=protocol.GONE_TTL_S)
         pipe.execute()
         if not self.redis.hlen(self.running_key):
             self.redis.delete(self.running_key)

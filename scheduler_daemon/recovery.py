@@ -99,7 +99,10 @@ class Recovery:
             return 0
         for consumer in consumers:
             name = as_text(consumer["name"])
-            if name == self.daemon_id or int(consumer["idle"]) <= dead_idle_ms:
+            if name == self.daemon_id:
+                continue
+            if int(consumer["idle"]) <= dead_idle_ms and not self.redis.exists(
+                    protocol.gone_key(name)):
                 continue  # a consumer that read lately is alive, heartbeat key or not
             if self.redis.exists(protocol.daemon_key(name)):
                 continue

@@ -137,6 +137,15 @@ DEATHS_TTL_S = 24 * 3600
 QUARANTINE_HASH = f"{PREFIX}:quarantine"
 
 
+GONE_TTL_S = 600
+
+
+def gone_key(daemon_id: str) -> str:
+    """Set by a daemon that stopped cleanly (SIGTERM): its pending jobs are free to take at
+    once, without waiting for its consumer to look idle (which a Redis restart can fake)."""
+    return f"{PREFIX}:gone:{daemon_id}"
+
+
 def running_key(daemon_id: str) -> str:
     return f"{PREFIX}:running:{daemon_id}"
 

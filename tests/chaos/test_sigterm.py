@@ -32,6 +32,7 @@ def test_sigterm_hands_back_what_it_did_not_finish(make_daemon, same_id):
         assert not set(kinds) & protocol.TERMINAL, (job.id, kinds)
     # a hand-back is no crash: no death is counted toward the quarantine
     assert not r.exists(protocol.running_key(first.daemon_id))
+    assert r.exists(protocol.gone_key(first.daemon_id))  # its jobs are free to take at once
     pending = r.xpending(protocol.jobs_stream(first.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 4
     second = make_daemon(model=first.model)

@@ -199,7 +199,7 @@ def test_a_consumer_that_reads_is_not_reclaimed_though_its_heartbeat_key_is_gone
     client.xadd(stream, job.encode())
     client.xreadgroup(protocol.JOBS_GROUP, "live-daemon", {stream: ">"})  # it runs the job
     served: list[str] = []
-    other = Recovery(client, stream, "other", NoWriter(), lambda _e, j: served.append(j.id),
+    other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
                      None)
     try:
         time.sleep(1.2)  # its entry is claimable by idle time (CLAIM_MIN_IDLE_MS)
@@ -210,3 +210,27 @@ def test_a_consumer_that_reads_is_not_reclaimed_though_its_heartbeat_key_is_gone
         assert served == [job.id]
     finally:
         client.delete(stream)
+
+
+def test_a_daemon_that_stopped_cleanly_is_reclaimed_without_the_idle_wait():
+    """A SIGTERM'd daemon leaves its gone key: its handed-back jobs need not wait until its
+    consumer looks idle (the rule above is for daemons that may still be alive)."""
+    client = redis_conn()
+    stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+    client.xgroup_create(stream, protocol.JOBS_GROUP, id="0", mkstream=True)
+    job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
+                       cache_scope="1", prompt="x")
+    client.xadd(stream, job.encode())
+    name = f"stopped-{uuid.uuid4().hex[:6]}"
+    client.xreadgroup(protocol.JOBS_GROUP, name, {stream: ">"})
+    served: list[str] = []
+    other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
+                     None)
+    try:
+        time.sleep(1.2)  # claimable by idle time (CLAIM_MIN_IDLE_MS), not dead by the rule
+        assert other.reclaim_dead() == 0
+        client.set(protocol.gone_key(name), 1, ex=60)
+        assert other.reclaim_dead() == 1
+        assert served == [job.id]
+    finally:
+        client.delete(stream, protocol.gone_key(name))
