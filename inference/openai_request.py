@@ -103,6 +103,7 @@ class ParsedRequest:
             cache_scope=tenant_id, prompt=self.prompt, messages=self.messages,
             params=self.params, session=self.session or None, cache_prompt=self.cache_prompt,
             max_queued=max_queued,
+            watched=settings.RESUME_GRACE_S > 0,  # readers keep its watch key (inference/watch.py)
         )
 
 

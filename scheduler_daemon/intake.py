@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -109,6 +110,7 @@ class Intake:
         self.running_key = protocol.running_key(daemon_id)
         self.prepare = PrepareQueue()
         self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
+        self.started: list[Callable[[protocol.Job], None]] = []  # told of each accepted job
         self.recovery = Recovery(
             client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
         )
@@ -248,6 +250,8 @@ class Intake:
             self.refuse(job.id, entry_id, refusal)
             return
         self.writer.accepted(job.id, entry_id, prompt_tokens)
+        for listener in self.started:
+            listener(job)
         try:
             if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while submitting
                 self.core.cancel(job.id)
