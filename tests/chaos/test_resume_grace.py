@@ -145,6 +145,13 @@ def assert_cancelled_by_the_grace(web, request_id: str) -> None:
     assert data["usage"]["completion_tokens"] < LONG
     row = web.request("GET", f"/v1/requests/{request_id}", key=web.keys["owner"]).json()
     assert (row["status"], row["finish_reason"]) == ("cancelled", "cancelled")
+    assert not published_cancel(request_id)  # the daemon's watch did it, not the web
+
+
+def published_cancel(request_id: str) -> bool:
+    """Whether a web process published the request's cancel (the daemon's watch cancels
+    without one): a cancel at once, not the grace's."""
+    return bool(redis_conn().exists(protocol.cancel_key(request_id)))
 
 
 # -- SSE -------------------------------------------------------------------------------------
@@ -172,8 +179,7 @@ def test_sse_cancel_endpoint_still_cancels_at_once(web, daemon):
     assert answer.status == 200
     frames = list(reply.sse())  # the stream goes on to its end: cancelled
     assert json.loads(frames[-2][1])["choices"][0]["finish_reason"] == "cancelled"
-    # ended while the reader still kept it watched: the cancel, not the grace
-    assert redis_conn().exists(protocol.watch_key(request_id))
+    assert published_cancel(request_id)
 
 
 # -- websocket -------------------------------------------------------------------------------
@@ -236,7 +242,7 @@ async def test_ws_cancel_message_still_cancels_at_once(web, daemon):
     done = (await ws_until(ws))[-1]
     await ws.close()
     assert (done["type"], done["finish_reason"]) == ("done", "cancelled")
-    assert redis_conn().exists(protocol.watch_key(before[0]["request_id"]))  # not the grace
+    assert published_cancel(before[0]["request_id"])
 
 
 @pytest.mark.asyncio
@@ -246,7 +252,7 @@ async def test_ws_deliberate_close_still_cancels_at_once(web, daemon):
     await ws.close()  # code 1000
     kind, data = await asyncio.to_thread(wait_until, lambda: ended(request_id), GUARD_S)
     assert (kind, data["finish_reason"]) == (protocol.DONE, "cancelled")
-    assert redis_conn().exists(protocol.watch_key(request_id))  # not the grace
+    assert published_cancel(request_id)  # as the socket closed, not after the grace
 
 
 # -- the web process killed --------------------------------------------------------------------
