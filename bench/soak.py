@@ -209,6 +209,7 @@ class Soak:
         self.t_start = 0.0
         self.stopping = False
         self.redis_proc: subprocess.Popen | None = None
+        self.redis_keys: dict[str, int] | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-soak-"))
         self.stack: Stack | None = None
         self.keys: dict[str, str] = {}
@@ -281,7 +282,10 @@ class Soak:
             start_new_session=True)
 
     def close(self) -> None:
-        """Stop daphne, the daemon and our Redis (SIGTERM, then SIGKILL after 30 s)."""
+        """Stop daphne, the daemon and our Redis (SIGTERM, then SIGKILL after 30 s). A second
+        Ctrl-C does not cut this short (it would leave processes behind)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         for name in ("daphne", "daemon"):
             proc = getattr(self, name, None)
             if proc is not None and proc.poll() is None:
@@ -780,25 +784,31 @@ def main() -> None:
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     soak = Soak(args)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
+    interrupted = False
     try:
         soak.start()
         print(f"service up (daphne {soak.daphne.pid}, daemon {soak.daemon.pid}, "
               f"model {soak.stack.model}); {args.minutes:g} minutes", flush=True)
         asyncio.run(soak.run())
     except (KeyboardInterrupt, asyncio.CancelledError):
-        print("interrupted: stopping", flush=True)
-        soak.close()
-        raise SystemExit(130) from None
+        print("interrupted: stopping (the summary covers what ran)", flush=True)
+        interrupted = True
     except BaseException:
         args.keep_logs = True
         soak.close()
         raise
+    if interrupted and not soak.results:
+        soak.close()
+        raise SystemExit(130)
     summary = summarize(soak)
     soak.close()
     report(soak, summary, command)
     print(json.dumps({"bench": "soak", "machine": machine(), "command": command,
                       "settings": {k: v for k, v in vars(args).items() if k != "redis_url"}
-                      | {"workers": WORKERS}, **summary}))
+                      | {"workers": WORKERS}, "interrupted": interrupted, **summary}))
+    if interrupted:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

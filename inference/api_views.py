@@ -3,7 +3,8 @@
 DRF views with async handlers (adrf): a request waits on Redis for seconds, which an async
 handler does on the event loop. Under ASGI Django cancels the view (or its streaming
 response's iterator) when the client disconnects; the cancellation reaches
-``service.CancelIfAbandoned``, which cancels the inference request. Authentication,
+``service.CancelIfAbandoned``, which leaves the request to be resumed within RESUME_GRACE_S
+(the daemon cancels it after that). Authentication,
 permissions and errors are the API's defaults (REST_FRAMEWORK in config/settings.py).
 """
 from __future__ import annotations
@@ -169,7 +170,8 @@ def _sse_response(formatter: Formatter,
 
 async def _sse(formatter: Formatter,
                events: AsyncIterator[StreamEvent | None]) -> AsyncIterator[bytes]:
-    """SSE frames; a client that goes away mid-stream cancels the request."""
+    """SSE frames; a client that goes away mid-stream has its request cancelled unless
+    it resumes within the grace."""
     idle = 0
     async with service.CancelIfAbandoned(formatter.request_id), aclosing(events) as stream:
         yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now

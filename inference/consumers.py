@@ -1,8 +1,11 @@
 """The websocket API (/ws/v1/stream): several streamed requests on one socket.
 
 Tokens are read from Redis by one task per request (``service.follow``), never through the
-channel layer. Closing the socket cancels every request still running on it. The message
-shapes are in docs/api.md.
+channel layer. A client that closes the socket on purpose (``DELIBERATE_CLOSE_CODES``)
+cancels every request still running on it; a socket that drops (any other code: the
+connection was lost) leaves them running for RESUME_GRACE_S, for a ``resume`` on a new
+socket, after which the daemon cancels those nobody resumed. The message shapes are in
+docs/api.md.
 
 Robustness (issue 12): a malformed message is answered with an ``error`` naming the problem
 and the socket carries on; a socket that has not authenticated within ``AUTH_TIMEOUT_S`` is
@@ -50,6 +53,11 @@ MAX_ID_CHARS = 256  # a client id: a string this long at most, or an integer
 MAX_ID_INT = 2**53  # ...within JSON's safe integers
 MAX_DEPTH = 64  # nesting of a message's JSON (objects and arrays)
 CANCEL_WAIT_S = 5.0  # how long closing waits for its requests' cancels to go out
+# A close the client chose: a close frame with 1000 (normal), 1001 (going away: a page
+# left) or no code (daphne reports None; other servers 1005). Anything else (1006: the
+# connection dropped without a close frame; a code of the client's own, e.g. 4000 to
+# detach on purpose) keeps the socket's requests running for the resume grace.
+DELIBERATE_CLOSE_CODES = frozenset({None, 1000, 1001, 1005})
 _ENVELOPE = ("type", "id", "stream", "stream_options")
 
 
@@ -121,8 +129,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             else:
                 await self._send_error(bad.client_id, bad.error)
 
-    async def disconnect(self, code: int) -> None:
-        await self._stop_requests()
+    async def disconnect(self, code: int | None) -> None:
+        await self._stop_requests(cancel=code in DELIBERATE_CLOSE_CODES)
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -201,17 +209,18 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             self.closing = True
             await self.close(code=code)
 
-    async def _stop_requests(self) -> None:
-        """Cancel every request on the socket: their cancels are published first (so that
-        a lost task cancellation cannot leave one running), then their tasks are cancelled
-        and awaited."""
+    async def _stop_requests(self, cancel: bool = True) -> None:
+        """Stop following every request on the socket. ``cancel``: their cancels are
+        published first (so that a lost task cancellation cannot leave one running), then
+        their tasks are cancelled and awaited. Else they run on, unread: each reader's
+        ``CancelIfAbandoned`` leaves its request to the daemon's resume grace."""
         _watcher().discard(self)
         current = asyncio.current_task()
         if self._auth_timer is not None and self._auth_timer is not current:
             self._auth_timer.cancel()
         running = [run for run in getattr(self, "running", {}).values() if run.task is not current]
         running = [run for run in running if not run.ended]
-        started = [run.request_id for run in running if run.request_id is not None]
+        started = [run.request_id for run in running if run.request_id is not None and cancel]
         if started:
             await asyncio.gather(*(service.cancel_quietly(r) for r in started))
         tasks = {run.task for run in running if run.task is not None}
@@ -220,8 +229,11 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             for task in tasks:
                 task.cancel()  # again if need be: Python 3.11 can lose a cancellation
             _done, tasks = await asyncio.wait(tasks, timeout=0.2)
-        for run in running:  # queued while we waited
-            if run.request_id is not None and run.request_id not in started and not run.ended:
+        for run in running:  # queued while we waited; or a reader that would not stop and
+            # would keep its request watched for ever
+            stuck = run.task is not None and not run.task.done()
+            if run.request_id is not None and run.request_id not in started and not run.ended \
+                    and (cancel or stuck):
                 await service.cancel_quietly(run.request_id)
 
     async def send_json(self, content: Any, close: bool = False) -> None:
@@ -377,9 +389,12 @@ def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, A
     if event.kind == protocol.TOKEN:
         return {**head, "text": data.get("text", ""), "n_tokens": data.get("n_tokens", 0)}
     if event.kind == protocol.DONE:
-        return {**head, "finish_reason": data.get("finish_reason"), "stop": data.get("stop"),
+        done = {**head, "finish_reason": data.get("finish_reason"), "stop": data.get("stop"),
                 "usage": data.get("usage") or protocol.usage(0, 0, 0),
                 "timings": data.get("timings") or {}}
+        if data.get("resumed"):  # continued by another daemon after its own died
+            done["resumed"] = data["resumed"]
+        return done
     return {**head, "model": data.get("model"), "prompt_tokens": data.get("prompt_tokens")}
 
 

@@ -111,6 +111,7 @@ class ParsedRequest:
             max_queued=max_queued,
             deadline=time.time() + (self.timeout_s or settings.REQUEST_TIMEOUT_S),
             retention_s=self.retention_s or int(settings.STREAM_RETENTION_S),
+            watched=settings.RESUME_GRACE_S > 0,  # readers keep its watch key (inference/watch.py)
         )
 
 

@@ -22,7 +22,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
-from inference import broker, db, history, limits, metrics
+from inference import broker, db, history, limits, metrics, watch
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
@@ -93,7 +93,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
             await _abandon(api_key.tenant_id, request_id)
         raise
     try:
-        async with CancelIfAbandoned(request_id):
+        async with CancelIfAbandoned(request_id, at_once=True):  # before XADD: watched
             job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
             await broker.enqueue(job)
     except redis.RedisError as exc:
@@ -391,20 +391,28 @@ def _synthetic_error(code: str, message: str) -> StreamEvent:
 
 
 class CancelIfAbandoned:
-    """Publish the request's cancel when its reader goes away before the end (the task is
-    cancelled, e.g. on client disconnect, or the generator is closed early)."""
+    """Around a reader of a request: the request is watched while the reader is inside
+    (inference/watch.py), and cancelled if the reader goes away before the end (its task is
+    cancelled, e.g. on a client's disconnect, or the generator is closed early): by the
+    daemon, RESUME_GRACE_S later, unless a reader comes back by then (a resume). ``at_once``
+    (or RESUME_GRACE_S 0): the cancel is published as the reader leaves (a request whose
+    client cannot have learnt its id yet)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, at_once: bool = False) -> None:
         self.request_id = request_id
+        self.at_once = at_once
         self.ended = False  # set by a reader that has seen the terminal event: no cancel
+        self._watching = watch.Watching(request_id)
 
     async def __aenter__(self) -> CancelIfAbandoned:
+        await self._watching.__aenter__()
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        if self.ended:
-            return
+        await self._watching.__aexit__(kind, exc, tb)
+        if self.ended or (watch.enabled() and not self.at_once):
+            return  # past the grace, the daemon cancels it (scheduler_daemon/watch.py)
         if kind is not None and issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
             await cancel_quietly(self.request_id)
 

@@ -7,7 +7,8 @@ PAUSING/PAUSED -> DRAINING -> STOPPING -> STOPPED). Threads, besides the core's 
   ``recovery.py``) and the preparer (prepare queue -> core, round-robin by tenant);
 - ``control.py``: cancels (pub/sub) and operator commands (drain, resume, evict a scope);
 - ``event_writer.py``: events out, one pipeline per flush, history rows, the request log;
-- ``heartbeat.py``: the snapshot every second.
+- ``heartbeat.py``: the snapshot every second;
+- ``watch.py``: watched requests nobody follows any more cancelled after the resume grace.
 
 The wire (keys, message shapes) is ``wire/protocol.py``; docs/daemon.md tells the story.
 """
@@ -33,6 +34,7 @@ from .heartbeat import Heartbeat
 from .history import HistorySink
 from .intake import Intake
 from .lifecycle import Lifecycle, State
+from .watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ class SchedulerDaemon:
             core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected, config_info
         )
         self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
+        self.watch = Watch(client, self.lifecycle, core.cancel, self.writer.is_live)
+        self.intake.started.append(self.watch.started)
         self._threads: dict[str, threading.Thread] = {}
         core.listeners.append(self.writer.on_event)
         core.tick_listeners.append(lambda _stats: self.writer.wake())
@@ -94,6 +98,7 @@ class SchedulerDaemon:
         self._spawn("control", self.control.command_loop)
         self._spawn("writer", self.writer.run)
         self._spawn("heartbeat", self.heartbeat.run)
+        self._spawn("watch", self.watch.run)
         log.info("daemon %s serving model %r", self.daemon_id, self.model)
 
     def stop(self, grace_s: float) -> None:
@@ -111,7 +116,7 @@ class SchedulerDaemon:
             log.warning("handing back %d requests to the jobs stream", len(handed_back))
         self.lifecycle.move(State.STOPPING)
         self.writer.wake(force=True)
-        self._join("cancels", "control", "writer", "heartbeat")
+        self._join("cancels", "control", "writer", "heartbeat", "watch")
         self.writer.flush()
         self.writer.handed_back(handed_back)
         self.heartbeat.remove()

@@ -114,6 +114,7 @@ class Intake:
         self.running_key = protocol.running_key(daemon_id)
         self.prepare = PrepareQueue()
         self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
+        self.started: list[Callable[[protocol.Job], None]] = []  # told of each accepted job
         self.recovery = Recovery(
             client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
         )
@@ -280,6 +281,8 @@ class Intake:
             self.refuse(job.id, entry_id, refusal)
             return
         self.writer.accepted(job.id, entry_id, prompt_tokens)
+        for listener in self.started:
+            listener(job)
         try:
             if self.redis.exists(protocol.cancel_key(job.id)):  # cancelled while submitting
                 self.core.cancel(job.id)

@@ -153,6 +153,7 @@ class WebServer:
             "DATABASE_URL": self.database.url,
             "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
             "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
+            "RESUME_GRACE_S": "3",  # a dropped client's request is cancelled this soon
         }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -114,20 +114,22 @@ def test_bad_value_raises_bad_request_naming_it(web, daemon):
     assert caught.value.param == "temperature"
 
 
-def test_disconnect_mid_stream_frees_the_slot_and_cancels_the_row(web, daemon):
+def test_disconnect_mid_stream_cancels_the_row_after_the_grace_and_frees_the_slot(web, daemon):
+    # long enough to outlive the web's RESUME_GRACE_S (3 s) and the daemon's confirmation
+    # (at most 1024 tokens with the prompt: N_CTX 2048 over N_PARALLEL 2)
     reply = web.request("POST", "/v1/chat/completions", {
         "model": daemon.model, "messages": HELLO, "stream": True, "temperature": 0,
-        "max_tokens": 300, "ignore_eos": True}, web.keys["owner"])
+        "max_tokens": 1000, "ignore_eos": True}, web.keys["owner"])
     request_id = reply.header("X-Request-Id")
     stream = reply.sse()
     for _ in range(3):
         next(stream)
     wait_until(lambda: any(s["request_id"] == request_id for s in daemon.snapshot()["slots"]), 10)
     reply.close()
-    wait_until(lambda: all(s["state"] == "idle" for s in daemon.snapshot()["slots"]), 10)
+    wait_until(lambda: all(s["state"] == "idle" for s in daemon.snapshot()["slots"]), 60)
     row = wait_until(lambda: (r := web.request("GET", f"/v1/requests/{request_id}",
                                                key=web.keys["owner"]).json())["finished"] and r)
-    assert row["status"] == "cancelled" and row["completion_tokens"] < 300
+    assert row["status"] == "cancelled" and row["completion_tokens"] < 1000
 
 
 def test_queue_full_gives_fast_503s_and_accepted_requests_complete(web):

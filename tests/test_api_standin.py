@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.live_service import echo, wait_until
+from tests.live_service import echo, redis_conn, wait_until
 from wire import protocol
 
 HELLO = [{"role": "user", "content": "Hi"}]
@@ -135,7 +135,7 @@ def test_daemon_dying_before_it_answers_is_503(web, standin):
     assert reply.json()["error"]["code"] == "scheduler_unavailable"
 
 
-def test_client_leaving_mid_stream_cancels_the_request(web, standin):
+def test_client_leaving_mid_stream_leaves_its_request_to_the_grace(web, standin):
     finished = threading.Event()
 
     def slow(daemon, job):
@@ -149,14 +149,18 @@ def test_client_leaving_mid_stream_cancels_the_request(web, standin):
     request_id = reply.header("X-Request-Id")
     stream = reply.sse()
     next(stream), next(stream)  # the role chunk and the first token
+    assert redis_conn().exists(protocol.watch_key(request_id))  # watched while read
     reply.close()
     try:
-        wait_until(lambda: standin.is_cancelled(request_id), timeout_s=5)
+        # no more renewals: the key expires RESUME_GRACE_S later, and a real daemon cancels
+        # the request then (tests/chaos/test_resume_grace.py); the web cancels nothing
+        wait_until(lambda: not redis_conn().exists(protocol.watch_key(request_id)), 20)
+        assert not standin.is_cancelled(request_id)
     finally:
         finished.set()
 
 
-def test_client_leaving_a_non_streaming_request_cancels_it(web, standin):
+def test_client_leaving_a_non_streaming_request_leaves_it_to_the_grace(web, standin):
     accepted: list[str] = []
 
     def accept_only(daemon, job):
@@ -170,9 +174,11 @@ def test_client_leaving_a_non_streaming_request_cancels_it(web, standin):
                  {"Authorization": f"Bearer {web.keys['owner']}"})
     wait_until(lambda: accepted, timeout_s=5)
     time.sleep(0.2)  # the view is now waiting for tokens
+    assert redis_conn().exists(protocol.watch_key(accepted[0]))
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_until(lambda: standin.is_cancelled(accepted[0]), timeout_s=5)
+    wait_until(lambda: not redis_conn().exists(protocol.watch_key(accepted[0])), 20)
+    assert not standin.is_cancelled(accepted[0])
 
 
 def test_resume_after_last_event_id_without_duplicates(web, standin):

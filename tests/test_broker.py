@@ -135,9 +135,9 @@ async def test_follow_from_a_finished_point_returns_at_once(r, request_id):
     assert await asyncio.wait_for(_collect(service.follow(request_id, done, "m")), 30) == []
 
 
-async def test_cancel_if_abandoned_publishes_when_the_reader_is_cancelled(r, request_id):
-    async def reader() -> None:
-        async with service.CancelIfAbandoned(request_id):
+async def test_cancel_if_abandoned_at_once_publishes_when_the_reader_is_cancelled(r, request_id):
+    async def reader() -> None:  # (without at_once: the resume grace, tests/test_watch.py)
+        async with service.CancelIfAbandoned(request_id, at_once=True):
             await asyncio.sleep(30)
 
     task = asyncio.create_task(reader())

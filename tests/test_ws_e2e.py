@@ -8,6 +8,8 @@ import websockets
 from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
+from tests.live_service import redis_conn
+from wire import protocol
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,3 +80,6 @@ async def test_real_socket_with_header_auth_and_close_cancels(web, daemon):
             break
         await asyncio.sleep(0.1)
     assert row["status"] == "cancelled"
+    # the web published its cancel as the socket closed (the resume grace's cancel, the
+    # daemon's, publishes none)
+    assert redis_conn().exists(protocol.cancel_key(accepted["request_id"]))

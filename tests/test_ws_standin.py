@@ -7,7 +7,7 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
-from tests.live_service import StandIn, echo, wait_until
+from tests.live_service import StandIn, echo, redis_conn, wait_until
 from wire import protocol
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
@@ -115,7 +115,8 @@ async def test_cancel_one_request_while_another_continues(parties, standin):
     await ws.disconnect()
 
 
-async def test_closing_the_socket_cancels_its_requests(parties, standin):
+@pytest.mark.parametrize("code", [1000, 1001])  # the client's own close: cancel at once
+async def test_closing_the_socket_cancels_its_requests(parties, standin, code):
     release = threading.Event()
     standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
     ws = socket_for(parties.owner)
@@ -123,10 +124,33 @@ async def test_closing_the_socket_cancels_its_requests(parties, standin):
     await ws.send_json_to({"type": "chat.completions", "id": 1, "model": standin.model,
                            "messages": HELLO})
     accepted = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(code=code)
     try:
         await asyncio.to_thread(wait_until, lambda: standin.is_cancelled(accepted["request_id"]),
                                 5)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("code", [1006, 4000])  # dropped; a close that asks for the grace
+async def test_a_dropped_socket_leaves_its_requests_to_the_grace(parties, standin, settings,
+                                                                 code):
+    settings.RESUME_GRACE_S = 1
+    release = threading.Event()
+    standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
+    ws = socket_for(parties.owner)
+    await ws.connect()
+    await ws.send_json_to({"type": "chat.completions", "id": 1, "model": standin.model,
+                           "messages": HELLO})
+    request_id = (await ws.receive_json_from(timeout=10))["request_id"]
+    key, r = protocol.watch_key(request_id), redis_conn()
+    assert r.exists(key)
+    await ws.disconnect(code=code)
+    try:
+        # not renewed any more: it expires a grace later (then the daemon cancels the
+        # request: tests/chaos/test_resume_grace.py); the web cancels nothing
+        await asyncio.to_thread(wait_until, lambda: not r.exists(key), 10)
+        assert not standin.is_cancelled(request_id)
     finally:
         release.set()
 
