@@ -518,13 +518,16 @@ class Soak:
                 r.row_status = f"? {exc}"
 
     async def _key_census(self) -> dict[str, int] | None:
-        """Our Redis's keys by kind at the end (only when it is ours)."""
+        """Our Redis's keys by kind at the end (only when it is ours); a kind with keys that
+        never expire is counted again under "<kind> (no TTL)"."""
         if self.redis_proc is None:
             return None
         kinds: Counter[str] = Counter()
         async for key in self.redis.scan_iter(count=1000):
-            parts = key.decode(errors="replace").split(":")
-            kinds[":".join(parts[:2])] += 1
+            kind = ":".join(key.decode(errors="replace").split(":")[:2])
+            kinds[kind] += 1
+            if await self.redis.ttl(key) == -1:
+                kinds[f"{kind} (no TTL)"] += 1
         return dict(sorted(kinds.items()))
 
 
