@@ -229,13 +229,18 @@ class InferenceCore:
         handle: RequestHandle | None = None,
         continuation: Continuation | None = None,
         deadline: float | None = None,
+        since: float | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
         events go to ``listeners`` (and ``handle``). ``max_queued``: this scope's cap on
         waiting requests (None: the configured one). ``deadline`` (unix seconds): past it
-        the request ends with ``timeout``; already past, it is refused."""
-        arrival = time.monotonic()
+        the request ends with ``timeout``; already past, it is refused. ``continuation``:
+        what a dead daemon had generated for it (``state.Continuation``); ``since`` (unix
+        seconds): when it was first queued, for its timings."""
+        now = arrival = time.monotonic()
+        if since is not None:  # a continued request's clock starts when it was first queued
+            arrival -= min(max(0.0, time.time() - since), 24 * 3600.0)
         if deadline is not None and time.time() >= deadline:  # before anything costly
             raise Refusal(errors.TIMEOUT, "The request's deadline (timeout) passed before it "
                           "started.")
@@ -256,7 +261,7 @@ class InferenceCore:
             max_queued=max_queued,
             continuation=continuation,
             # the scheduler's clock is monotonic; a wall-clock deadline crosses daemons
-            deadline=None if deadline is None else arrival + (deadline - time.time()),
+            deadline=None if deadline is None else now + (deadline - time.time()),
         )
         if handle is None:  # the daemon's path: the scheduler refuses a duplicate id itself
             self.scheduler.submit(request)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -274,8 +275,12 @@ class Intake:
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
             self.core.abort_process_when_running(job.id)  # test-only: before its first tick
         try:
-            prompt_tokens = self.core.enqueue(**submit_arguments(job),
-                                              continuation=takeover.continuation)
+            continuation = takeover.continuation
+            prompt_tokens = self.core.enqueue(
+                **submit_arguments(job), continuation=continuation,
+                # its timings (duration, ttft) count from its first queueing, not the takeover
+                since=job.enqueued_at if continuation and _is_time(job.enqueued_at) else None,
+            )
         except Refusal as refusal:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
@@ -314,6 +319,10 @@ class Intake:
             self.recovery.done_with(entry_id)
         except redis.RedisError:
             log.warning("could not acknowledge job entry %s", entry_id)
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def cancelled_before_start() -> dict[str, Any]:

@@ -188,12 +188,14 @@ def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(
     _, db, _ = daemon_env
     setting = {"CONTINUE_STREAMS": str(continue_streams).lower()}
     first = make_daemon(**setting).start()
+    queued_at = time.time()
     running = first.enqueue(
         prompt="Tell a long story.", params={"max_tokens": 200, "ignore_eos": True}
     )
     db.add_request(running.id)
     first.wait_for(running.id, "token")
     first.stop(signal.SIGKILL)
+    killed_after_ms = (time.time() - queued_at) * 1000
     queued = first.enqueue(prompt="The capital of France is", params=GREEDY)  # no daemon alive now
     second = make_daemon(model=first.model, **setting).start()
     events = second.events(running.id, timeout_s=120)
@@ -202,6 +204,8 @@ def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(
         assert (kind, done["finish_reason"], done["resumed"]) == ("done", "length", 1)
         assert sum(d["n_tokens"] for _, k, d in events if k == "token") == 200
         assert db.row(running.id)["status"] == "done"
+        # its timings count from its first queueing, not from the takeover
+        assert done["timings"]["duration_ms"] >= killed_after_ms
     else:  # the old contract: a request that had streamed ends with the death
         assert (kind, done["code"]) == ("error", "inference_interrupted")
         assert db.row(running.id)["error_code"] == "inference_interrupted"
