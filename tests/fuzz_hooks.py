@@ -14,6 +14,8 @@ Set by the test through the environment:
 - ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` above it, up to the
   context, become it (bounded generation on two cores); larger values are left alone (the
   refusal path: ``context_length_exceeded``).
+- A valid ``timeout`` under ``MIN_TIMEOUT_S`` becomes it (a short one is a 504 by design);
+  invalid ones (0, negative, not a number) are left: the web must refuse them.
 - ``FUZZ_LOG``: a file that gets one JSON line per call (operation, status, error code), for
   the test's summary.
 
@@ -37,6 +39,7 @@ MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "8"))
 N_CTX = int(os.environ.get("N_CTX", "2048"))
 LOG = os.environ.get("FUZZ_LOG")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+MIN_TIMEOUT_S = 120
 CONSTRAINTS = ("grammar", "json_schema", "response_format", "logit_bias")
 _seen_ids: list[str] = []
 _swaps: dict[str, int] = {}  # per operation: swap every other generated value
@@ -58,6 +61,11 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
             value = body.get(name)
             if type(value) is int and MAX_TOKENS < value <= N_CTX:
                 body[name] = MAX_TOKENS
+        value = body.get("timeout")
+        if type(value) in (int, float) and 0 < value < MIN_TIMEOUT_S:
+            # a valid timeout this short ends in 504 ``timeout`` on a busy machine: the
+            # answer the client asked for, not a server fault (docs/api.md, Deadlines)
+            body["timeout"] = MIN_TIMEOUT_S
     params = case.path_parameters
     if path == "/v1/models/{model}" and isinstance(params, dict) and MODEL and _turn(path):
         params["model"] = MODEL
