@@ -41,6 +41,12 @@ print(json.dumps([t.id, ApiKey.issue(t)[1]]))
 """,
     )
     tenant_id, key = json.loads(out)
+    # Tenant ids repeat across the test servers' own databases, which share one Redis db: a
+    # new tenant's limit keys may hold another server's tenant's counts. It starts clean.
+    t = str(tenant_id)
+    redis_conn().delete(wire_limits.inflight_key(t), wire_limits.reserved_key(t),
+                        wire_limits.rpm_key(t), wire_limits.tpm_key(t),
+                        wire_limits.month_key(t, time.time()))
     return tenant_id, key
 
 
