@@ -79,15 +79,9 @@ class Replay:
 
     async def collect(self) -> tuple[str, StreamEvent]:
         """All text and the terminal event (``service.collect``'s twin)."""
-        parts: list[str] = []
-        async with service.CancelIfAbandoned(self.request_id), aclosing(self.events()) as stream:
-            async for event in stream:
-                if event is None:
-                    continue
-                if event.kind == protocol.TOKEN:
-                    parts.append(event.data.get("text", ""))
-                elif event.is_terminal:
-                    return "".join(parts), event
+        collected = await service.collect_events(self.request_id, self.events())
+        if collected is not None:
+            return collected
         raise ApiError(errors.INFERENCE_INTERRUPTED, "The request's events ended early.")
 
 

@@ -331,8 +331,18 @@ async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: st
 
 async def collect(submission: Submission) -> tuple[str, StreamEvent]:
     """All text of a request and its terminal event (for non-streaming replies)."""
+    collected = await collect_events(submission.request_id, events(submission))
+    if collected is None:  # pragma: no cover
+        raise AssertionError("events() ended without a terminal event")
+    return collected
+
+
+async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent | None]
+                         ) -> tuple[str, StreamEvent] | None:
+    """The text of ``stream_of`` and its terminal event, read while the request is held
+    (``CancelIfAbandoned``); None when it ended without one."""
     parts: list[str] = []
-    async with CancelIfAbandoned(submission.request_id), aclosing(events(submission)) as stream:
+    async with CancelIfAbandoned(request_id), aclosing(stream_of) as stream:
         async for event in stream:
             if event is None:
                 continue
@@ -340,7 +350,7 @@ async def collect(submission: Submission) -> tuple[str, StreamEvent]:
                 parts.append(event.data.get("text", ""))
             elif event.is_terminal:
                 return "".join(parts), event
-    raise AssertionError("events() ended without a terminal event")  # pragma: no cover
+    return None
 
 
 async def _serving(daemon_id: str | None, model: str) -> bool:

@@ -536,15 +536,7 @@ class LlamaSampler:
                 logits[self._bias_ids] += self._bias_values
             return int(np.argmax(logits))
         cand = self._engine._candidates
-        cand["id"] = self._engine._candidate_ids
-        cand["logit"] = logits
-        cand["p"] = 0.0
-        arr = lc.llama_token_data_array(
-            data=cand.ctypes.data_as(lc.llama_token_data_p),
-            size=cand.size,
-            selected=-1,
-            sorted=False,
-        )
+        arr = self._candidate_array(cand, logits)
         allowed = None
         if self._constraints is not None:
             t0 = time.thread_time()
@@ -569,6 +561,18 @@ class LlamaSampler:
         lc.llama_sampler_accept(self._chain, token)
         return token
 
+    def _candidate_array(self, cand: np.ndarray, logits: np.ndarray | float) -> object:
+        """``cand`` filled with every token id and ``logits``, as llama.cpp's array view."""
+        cand["id"] = self._engine._candidate_ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        return lc.llama_token_data_array(
+            data=cand.ctypes.data_as(lc.llama_token_data_p),
+            size=cand.size,
+            selected=-1,
+            sorted=False,
+        )
+
     def replay(self, tokens: Sequence[int]) -> None:
         """Advance this sampler over tokens generated before (a request continued after its
         daemon died): its grammar and penalties see them as if they were sampled here.
@@ -584,15 +588,7 @@ class LlamaSampler:
             if not 0 <= token < self._engine.n_vocab:
                 raise SamplingFailed(f"replayed token {token} is outside the vocabulary")
             if cand is not None:
-                cand["id"] = self._engine._candidate_ids
-                cand["logit"] = 0.0
-                cand["p"] = 0.0
-                arr = lc.llama_token_data_array(
-                    data=cand.ctypes.data_as(lc.llama_token_data_p),
-                    size=cand.size,
-                    selected=-1,
-                    sorted=False,
-                )
+                arr = self._candidate_array(cand, 0.0)
                 lc.llama_sampler_apply(self._constraints, ctypes.byref(arr))
                 if not np.isfinite(cand["logit"][token]):
                     raise SamplingFailed("a replayed token does not follow the grammar")
