@@ -19,6 +19,7 @@ from scheduler_daemon.heartbeat import Heartbeat
 from scheduler_daemon.intake import Intake
 from scheduler_daemon.lifecycle import Lifecycle, State
 from scheduler_daemon.recovery import Recovery
+from tests.daemon.test_recovery import NoWriter
 from tests.live_service import RedisServer, redis_conn, wait_until
 from wire import protocol
 
@@ -178,14 +179,6 @@ def test_events_buffered_during_an_outage_are_written_once_when_redis_is_back(se
     wait_until(lambda: server.client().exists(stream), timeout_s=15)
     stop(lifecycle, thread)  # the writer is done: what it wrote is all there is
     assert [protocol.decode_event(f)[0] for _, f in server.client().xrange(stream)] == ["error"]
-
-
-class NoWriter:
-    def track(self, *_):
-        pass
-
-    def terminal(self, *_):
-        raise AssertionError("not expected")
 
 
 def test_a_consumer_that_reads_is_not_reclaimed_though_its_heartbeat_key_is_gone():
