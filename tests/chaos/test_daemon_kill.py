@@ -19,10 +19,12 @@ pytestmark = pytest.mark.slow
 
 # Twenty-five required fields: the constrained reply is long (it is still running when the
 # daemon dies) and ends by itself; a plain sequence, cheap for llama.cpp's grammar to follow.
+# Booleans, so its length is bounded (~8 tokens a field, well inside max_tokens): integers
+# may run to 16 digits each, and a reply cut by max_tokens does not parse.
 FIELDS = [f"f{i}" for i in range(25)]
 SCHEMA = {
     "type": "object",
-    "properties": {name: {"type": "integer"} for name in FIELDS},
+    "properties": {name: {"type": "boolean"} for name in FIELDS},
     "required": FIELDS,
     "additionalProperties": False,
 }
@@ -114,8 +116,8 @@ def test_kill_9_with_jobs_queued_and_streaming(web, same_id):
                          "max_tokens": 200, "ignore_eos": True, "temperature": 0.7,
                          "seed": 7})
     constrained = Stream(web, {
-        "model": model, "max_tokens": 400, "temperature": 0,
-        "messages": [{"role": "user", "content": f"Twenty-five numbers please ({nonce})."}],
+        "model": model, "max_tokens": 600, "temperature": 0,
+        "messages": [{"role": "user", "content": f"Twenty-five answers please ({nonce})."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "numbers", "schema": SCHEMA}},
     })
@@ -169,9 +171,10 @@ def test_kill_9_with_jobs_queued_and_streaming(web, same_id):
                     or (k == "accepted" and chat and not d.get("resumed"))]
         assert list(dict.fromkeys(stream.ids)) == expected
     assert plain.finish_reason == "length" and plain.usage["completion_tokens"] == 200
+    # ended by itself (a reply cut by max_tokens would not parse), then parses
+    assert constrained.finish_reason == "stop", (constrained.usage, "".join(constrained.text))
     parsed = json.loads("".join(constrained.text))
     jsonschema.validate(parsed, SCHEMA)
-    assert constrained.finish_reason == "stop"
     # nothing of these requests' prompts stays in Redis once they ended
     assert not keys_holding(nonce.encode())
 
