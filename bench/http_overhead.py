@@ -167,8 +167,13 @@ class Stack:
     """daphne + run_scheduler on a temporary SQLite database, stopped by ``close``."""
 
     def __init__(self, redis_url: str, n_parallel: int, threads: int, model: str,
-                 root: Path = ROOT) -> None:
+                 root: Path = ROOT, defaults: bool = False, env: dict[str, str] | None = None,
+                 supervise: bool = False) -> None:
+        """``defaults``: the service's own settings (as ``make run`` has them) instead of this
+        benchmark's engine sizes; ``env``: settings on top; ``supervise``: the daemon under
+        ``run_scheduler --supervise``, as ``make run`` starts it."""
         self.root = root  # the checkout whose daphne and daemon run
+        self.supervise = supervise
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
         self.port = _free_port()
         self.model = model
@@ -182,13 +187,12 @@ class Stack:
             "LOG_LEVEL": "WARNING",
             "MODEL_PATH": model_path(),
             "MODEL_NAME": model,
-            "N_PARALLEL": str(n_parallel),
-            "N_CTX": str(N_CTX),
-            "N_BATCH": str(N_BATCH),
-            "CHUNK_SIZE": str(CHUNK),
-            "N_THREADS": str(threads),
-            "CACHE_PROMPT": "false",
         }
+        if not defaults:
+            self.env.update({"N_PARALLEL": str(n_parallel), "N_CTX": str(N_CTX),
+                             "N_BATCH": str(N_BATCH), "CHUNK_SIZE": str(CHUNK),
+                             "N_THREADS": str(threads), "CACHE_PROMPT": "false"})
+        self.env.update(env or {})
         self.procs: list[subprocess.Popen] = []
 
     def open(self) -> str:
@@ -199,7 +203,10 @@ class Stack:
         key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
         log = (self.tmp / "log.txt").open("ab")
         daphne = [sys.executable, "-m", "daphne", "-p", str(self.port), "config.asgi:application"]
-        for argv in ([*manage, "run_scheduler", "--grace", "1"], daphne):
+        scheduler = [*manage, "run_scheduler", "--grace", "1"]
+        if self.supervise:
+            scheduler.append("--supervise")
+        for argv in (scheduler, daphne):
             self.procs.append(
                 subprocess.Popen(argv, cwd=self.root, env=self.env, stdout=log,
                                  stderr=subprocess.STDOUT)

@@ -178,11 +178,10 @@ REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
 STREAM_RETENTION_S = env_int("STREAM_RETENTION_S", 600)
 RECOVERY_TIMEOUT_S = env_float("RECOVERY_TIMEOUT_S", 60.0)
 RESUME_GRACE_S = env_float("RESUME_GRACE_S", 10.0)
-# Each web process's Redis (inference/broker.py): the pool's size, how many of its
-# connections are kept from blocking readers, how many streams/resumes may be read at once
-# (past it: 503 service_unavailable), how long a command waits for a connection.
+# Each web process's Redis (inference/broker.py): the pool's size (its stream reader has a
+# connection of its own), how many streams/resumes may be read at once (past it: 503
+# service_unavailable), how long a command waits for a connection.
 WEB_REDIS_MAX_CONNECTIONS = env_int("WEB_REDIS_MAX_CONNECTIONS", 128)
-WEB_REDIS_SHORT_CONNECTIONS = env_int("WEB_REDIS_SHORT_CONNECTIONS", 28)
 WEB_MAX_STREAMS = env_int("WEB_MAX_STREAMS", 512)
 WEB_REDIS_POOL_TIMEOUT_S = env_float("WEB_REDIS_POOL_TIMEOUT_S", 5.0)
 # Websockets (inference/consumers.py): authenticate within this long or the socket closes

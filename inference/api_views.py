@@ -170,9 +170,10 @@ def _sse_response(formatter: Formatter,
 
 async def _sse(formatter: Formatter,
                events: AsyncIterator[StreamEvent | None]) -> AsyncIterator[bytes]:
-    """SSE frames; a client that goes away mid-stream has its request cancelled unless
-    it resumes within the grace."""
-    idle = 0
+    """SSE frames, one write per event (its chunks, and ``[DONE]`` after the last, go out
+    together); a client that goes away mid-stream has its request cancelled unless it
+    resumes within the grace."""
+    idle, ended = 0, False
     async with service.CancelIfAbandoned(formatter.request_id), aclosing(events) as stream:
         yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
         async for event in stream:
@@ -181,6 +182,11 @@ async def _sse(formatter: Formatter,
                 if idle % KEEPALIVE_IDLE_TICKS == 0:
                     yield KEEPALIVE_FRAME
                 continue
-            for payload in formatter.chunks(event):
-                yield sse_frame(event.entry_id, payload)
-        yield DONE_FRAME
+            frames = b"".join(sse_frame(event.entry_id, payload)
+                              for payload in formatter.chunks(event))
+            if event.is_terminal:  # the stream ends after it
+                frames, ended = frames + DONE_FRAME, True
+            if frames:
+                yield frames
+        if not ended:
+            yield DONE_FRAME

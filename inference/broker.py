@@ -23,6 +23,7 @@ from redis.backoff import NoBackoff
 
 from config.env import env_float
 from inference.errors import ApiError
+from inference.stream_reader import Follower, StreamReader
 from wire import ownership, protocol
 from wire.backoff import Backoff
 
@@ -32,19 +33,15 @@ SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 
 # Redis connections of one web process (one event loop), and how they are shared. Every
 # reader of a request's stream (a streamed or waited-for request, an SSE or websocket
-# resume) waits in XREAD BLOCK on a connection of its own; everything else holds one for a
-# round trip. The pool is sized explicitly and split: at most ``blocking_readers`` of its
-# connections block at once, the rest stay for short commands. A reader that finds the
-# blocking share taken polls instead (a non-blocking XREAD every READ_POLL_S) until a
-# connection frees up: slower, never out of connections. New requests and resumes are
-# refused with 503 ``service_unavailable`` once ``max_readers`` readers are open, and a short
-# command that waits over ``pool_timeout_s`` for a connection is a 503 too, never a 500.
+# resume) is a follower of the process's one stream reader (inference/stream_reader.py):
+# one connection of its own, one XREAD BLOCK over every followed stream. Everything else
+# holds a pooled connection for a round trip. New requests and resumes are refused with
+# 503 ``service_unavailable`` once ``max_readers`` readers are open, and a short command
+# that waits over ``pool_timeout_s`` for a connection is a 503 too, never a 500.
 # Defaults of the settings of the same names:
 WEB_REDIS_MAX_CONNECTIONS = 128  # the async pool's size (redis-py's default: 100)
-WEB_REDIS_SHORT_CONNECTIONS = 28  # kept from blocking readers, for short commands
 WEB_MAX_STREAMS = 512  # readers open at once per process; past it: 503
 WEB_REDIS_POOL_TIMEOUT_S = 5.0  # how long a command waits for a free connection
-READ_POLL_S = 0.1
 POOL_RETRY_S = 0.01  # how often a command waiting for a connection looks again
 BUSY_RETRY_AFTER_S = 1
 # Redis away (a restart: AOF keeps the queue and the streams): a reader of a request's
@@ -82,18 +79,14 @@ class RedisDown(ApiError, redis.ConnectionError):
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     max_connections: int
-    blocking_readers: int
     max_readers: int
     pool_timeout_s: float
 
     @classmethod
     def from_settings(cls) -> PoolConfig:
-        size = max(2, int(setting("WEB_REDIS_MAX_CONNECTIONS", WEB_REDIS_MAX_CONNECTIONS)))
-        short = int(setting("WEB_REDIS_SHORT_CONNECTIONS", WEB_REDIS_SHORT_CONNECTIONS))
-        short = min(max(1, short), size - 1)
         return cls(
-            max_connections=size,
-            blocking_readers=size - short,
+            max_connections=max(1, int(setting("WEB_REDIS_MAX_CONNECTIONS",
+                                               WEB_REDIS_MAX_CONNECTIONS))),
             max_readers=max(1, int(setting("WEB_MAX_STREAMS", WEB_MAX_STREAMS))),
             pool_timeout_s=float(setting("WEB_REDIS_POOL_TIMEOUT_S", WEB_REDIS_POOL_TIMEOUT_S)),
         )
@@ -137,8 +130,8 @@ class _LoopState:
 
     config: PoolConfig
     clients: dict[str, aredis.Redis] = field(default_factory=dict)
+    stream_readers: dict[str, StreamReader] = field(default_factory=dict)
     readers: int = 0
-    blocking: asyncio.Semaphore | None = None
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
@@ -152,8 +145,7 @@ def _state() -> _LoopState:
     state = _loops.get(loop)
     if state is None:
         config = PoolConfig.from_settings()
-        state = _loops[loop] = _LoopState(config, blocking=asyncio.Semaphore(
-            config.blocking_readers))
+        state = _loops[loop] = _LoopState(config)
     return state
 
 
@@ -190,15 +182,37 @@ def async_client() -> aredis.Redis:
     return state.clients[url]
 
 
-@contextmanager
-def reader() -> Iterator[None]:
-    """Count an open reader of a request's stream (``check_capacity`` reads the count)."""
+def stream_reader() -> StreamReader:
+    """The running loop's reader of request streams for settings.REDIS_URL."""
     state = _state()
+    url = settings.REDIS_URL
+    if url not in state.stream_readers:
+        state.stream_readers[url] = StreamReader(
+            connect=lambda: aredis.Redis.from_url(
+                url, single_connection_client=True, socket_timeout=SOCKET_TIMEOUT_S,
+                socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY),
+            waker=async_client, decode=_stream_event)
+    return state.stream_readers[url]
+
+
+def _stream_event(entry_id: str, fields: Any) -> StreamEvent:
+    kind, data = protocol.decode_event(fields)
+    return StreamEvent(entry_id, kind, data)
+
+
+@contextmanager
+def reader(request_id: str, after: str = "0-0") -> Iterator[Follower]:
+    """An open reader of a request's stream: a follower of the process's stream reader
+    (pass it to ``read_events``), counted for ``check_capacity``; left on exit."""
+    state = _state()
+    shared = stream_reader()
+    follower = shared.follow(protocol.events_stream(request_id), after)
     state.readers += 1
     try:
-        yield
+        yield follower
     finally:
         state.readers -= 1
+        shared.leave(follower)
 
 
 def check_capacity() -> None:
@@ -362,49 +376,37 @@ async def enqueue(job: protocol.Job) -> None:
 
 
 async def read_events(
-    request_id: str, after: str, block_ms: int, count: int | None = None
+    request_id: str, after: str, block_ms: int, count: int | None = None,
+    follower: Follower | None = None,
 ) -> list[StreamEvent]:
-    """Entries after ``after`` ("0-0": from the start), blocking up to ``block_ms``: in
-    XREAD BLOCK when the blocking share of the pool has room, else by polling.
+    """Entries after ``after`` ("0-0": from the start), waiting up to ``block_ms`` for the
+    first, through the process's stream reader (``follower``: the caller's from
+    ``reader``; without one, the call follows the stream for its own duration).
 
     Redis away (a restart): retried with backoff; RedisDown (503 ``service_unavailable``)
     once it has been away REDIS_OUTAGE_S. After an outage an empty read is returned only
     RESTART_SETTLE_S after Redis answered again: the caller then checks for a live daemon,
     whose heartbeat may have expired meanwhile (and whose events may wait in its buffer)."""
+    if follower is None:
+        with reader(request_id, after) as own:
+            return await read_events(request_id, after, block_ms, count, own)
+    shared = stream_reader()
     outage = Backoff()
     settle_until = 0.0
     while True:
         try:
-            events = await _read_events(request_id, after, block_ms, count)
+            events = await shared.read(follower, after, block_ms, count)
         except ApiError:
             raise  # RedisBusy: this process's own capacity, not an outage
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             await _wait_out(outage, exc)
             continue
+        finally:
+            _raise_if_cancelled()
         if outage.succeeded() is not None:
             settle_until = time.monotonic() + RESTART_SETTLE_S
         if events or time.monotonic() >= settle_until:
             return events
-
-
-async def _read_events(request_id: str, after: str, block_ms: int,
-                       count: int | None) -> list[StreamEvent]:
-    client = async_client()
-    streams = {protocol.events_stream(request_id): after}
-    blocking = _state().blocking
-    assert blocking is not None
-    if blocking.locked():
-        reply = await _poll(client, blocking, streams, count, block_ms)
-    else:
-        async with blocking:
-            reply = await client.xread(streams, count=count, block=block_ms)
-    _raise_if_cancelled()
-    events = []
-    for _stream, entries in reply or []:
-        for entry_id, fields in entries:
-            kind, data = protocol.decode_event(fields)
-            events.append(StreamEvent(_text(entry_id), kind, data))
-    return events
 
 
 def _raise_if_cancelled() -> None:
@@ -414,22 +416,6 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-async def _poll(client: aredis.Redis, blocking: asyncio.Semaphore, streams: dict[str, str],
-                count: int | None, block_ms: int) -> Any:
-    """XREAD without BLOCK every READ_POLL_S until something comes, ``block_ms`` pass, or a
-    blocking connection frees up (then XREAD BLOCK for the rest of the time)."""
-    deadline = time.monotonic() + block_ms / 1000
-    while True:
-        reply = await client.xread(streams, count=count)
-        left = deadline - time.monotonic()
-        if reply or left <= 0:
-            return reply
-        if not blocking.locked():
-            async with blocking:
-                return await client.xread(streams, count=count, block=max(1, int(left * 1000)))
-        await asyncio.sleep(min(READ_POLL_S, left))
 
 
 async def first_event(request_id: str) -> StreamEvent | None:

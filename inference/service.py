@@ -171,11 +171,12 @@ async def answer(queued: Queued) -> Submission:
 
 
 async def _wait_first(request_id: str, model: str) -> StreamEvent:
-    with broker.reader():
-        return await _wait_first_read(request_id, model)
+    with broker.reader(request_id) as follower:
+        return await _wait_first_read(request_id, model, follower)
 
 
-async def _wait_first_read(request_id: str, model: str) -> StreamEvent:
+async def _wait_first_read(request_id: str, model: str,
+                           follower: broker.Follower) -> StreamEvent:
     """The job is in the jobs stream: a daemon that dies or restarts meanwhile leaves it
     there for the next one, so no live daemon is a wait (up to RECOVERY_TIMEOUT_S), not an
     answer; ACCEPT_TIMEOUT_S bounds the whole wait."""
@@ -183,7 +184,8 @@ async def _wait_first_read(request_id: str, model: str) -> StreamEvent:
     deadline = now + settings.ACCEPT_TIMEOUT_S
     none_since: float | None = None  # when no live daemon served the model any more
     while True:
-        events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1)
+        events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1,
+                                          follower=follower)
         if events:
             return events[0]
         now = time.monotonic()
@@ -221,14 +223,16 @@ async def follow(request_id: str, after: str, model: str, daemon_id: str | None 
     Ends with a synthetic ``error`` (no entry id) if the request outlives REQUEST_TIMEOUT_S.
     ``resuming``: a reader coming back may ask after the end; a live submission cannot.
     """
-    with broker.reader():
-        async with aclosing(_follow(request_id, after, model, daemon_id, resuming)) as events:
+    with broker.reader(request_id, after) as follower:
+        async with aclosing(_follow(request_id, after, model, daemon_id, resuming,
+                                    follower)) as events:
             async for event in events:
                 yield event
 
 
 async def _follow(request_id: str, after: str, model: str, daemon_id: str | None,
-                  resuming: bool) -> AsyncIterator[StreamEvent | None]:
+                  resuming: bool, follower: broker.Follower
+                  ) -> AsyncIterator[StreamEvent | None]:
     if resuming and after != "0-0" and await _ended_before(request_id, after):
         return
     if daemon_id is None:
@@ -241,7 +245,7 @@ async def _follow(request_id: str, after: str, model: str, daemon_id: str | None
     gone_since: float | None = None  # when the daemon serving it was first seen gone
     while True:
         try:
-            batch = await broker.read_events(request_id, after, BLOCK_MS)
+            batch = await broker.read_events(request_id, after, BLOCK_MS, follower=follower)
         except (redis.ConnectionError, redis.TimeoutError):  # Redis stayed away (retried)
             yield _synthetic_error(errors.SERVICE_UNAVAILABLE,
                                    "The service lost its queue (Redis); the request's end is "

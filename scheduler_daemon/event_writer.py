@@ -80,7 +80,7 @@ class EventWriter:
         self.running_key = protocol.running_key(daemon_id)
         self._buffer = _Buffer()
         self._cond = threading.Condition()
-        self._last_flush = 0.0
+        self._next_due = 0.0  # the next slot of the stream interval's grid (monotonic)
         self._streaming: set[str] = set()  # requests whose first text has been buffered
         self._entries: dict[str, str] = {}  # accepted request id -> its jobs-stream entry id
         self._tenants: dict[str, str] = {}  # request id -> tenant id (usage, request log)
@@ -224,7 +224,7 @@ class EventWriter:
             return None
         if self._buffer.urgent:
             return 0.0
-        return max(0.0, self._last_flush + self.stream_interval_s - time.monotonic())
+        return max(0.0, self._next_due - time.monotonic())
 
     def flush(self) -> None:
         """Write everything buffered in one round trip (see the module docstring)."""
@@ -232,7 +232,8 @@ class EventWriter:
             items, self._buffer.items = self._buffer.items, []
             self._buffer.urgent = False
             if items:
-                self._last_flush = time.monotonic()
+                self._next_due = next_slot(self._next_due, time.monotonic(),
+                                           self.stream_interval_s)
         if not items:
             return
         items = coalesce(items)
@@ -332,6 +333,19 @@ def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
     if event.error is not None:
         return protocol.ERROR, {**data, **event.error}
     return protocol.DONE, data
+
+
+def next_slot(due: float, now: float, interval_s: float) -> float:
+    """The flush slot after one made at ``now`` for the slot ``due``: one interval after
+    the slot, not after the flush. Tokens come at tick ends, so a flush waits for the
+    first tick end past its slot, on average half a tick; timed from the flush, every gap
+    carried that lateness (a client at 50 ms with 34 ms ticks got a chunk every ~62 ms).
+    On the slots' grid the lateness is made up by the next gap: the client's gaps
+    average the interval. A flush a whole interval late (idle, or an urgent flush
+    between slots) starts the grid afresh."""
+    if now - due >= interval_s or due > now:
+        return now + interval_s
+    return due + interval_s
 
 
 def coalesce(items: list[Outgoing]) -> list[Outgoing]:

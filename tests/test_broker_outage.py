@@ -48,6 +48,31 @@ async def test_a_reader_ends_typed_when_redis_stays_away(server, monkeypatch):
     assert int(error.headers["Retry-After"]) > 0
 
 
+async def test_a_follower_mid_stream_ends_typed_when_redis_goes_and_stays_away(server,
+                                                                             monkeypatch):
+    """Redis stops while a follower waits in the process's shared read (issue 15): its reads
+    fail (a read that only timed out would look like Redis answering, and the follower
+    would wait for ever)."""
+    monkeypatch.setattr(broker, "REDIS_OUTAGE_S", 3.0)
+    request_id = str(uuid.uuid4())
+    server.client().xadd(protocol.events_stream(request_id),
+                         protocol.encode_event(protocol.TOKEN, {"text": "hi", "n_tokens": 1}))
+
+    async def follow() -> list[str]:
+        texts, after = [], "0-0"
+        with broker.reader(request_id) as follower:
+            while True:
+                for event in await broker.read_events(request_id, after, 300,
+                                                      follower=follower):
+                    after = event.entry_id
+                    texts.append(event.data["text"])
+                if texts:
+                    await asyncio.to_thread(server.stop)  # after the first event: mid-stream
+
+    with pytest.raises(broker.RedisDown):
+        await asyncio.wait_for(follow(), timeout=30)
+
+
 async def test_a_liveness_check_after_an_outage_waits_for_the_heartbeats_to_come_back(server):
     """The daemon's key expired while Redis was away; it is published again a moment after
     Redis answers: the daemon is alive, not interrupted."""

@@ -1,6 +1,6 @@
-"""The web's Redis connections (issue 12): an explicitly sized pool whose blocking share
-can be outnumbered by readers without anyone running out (they poll), a 503 instead of a
-500 when a process is full or its pool is exhausted. In-process, real test Redis."""
+"""The web's Redis connections (issue 12): an explicitly sized pool, readers that hold none
+of it (one stream reader per process, issue 15), a 503 instead of a 500 when a process is
+full or its pool is exhausted. In-process, real test Redis."""
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +23,8 @@ GUARD_S = 30  # hang guard
 
 async def test_the_pool_is_sized_by_the_settings(settings):
     settings.WEB_REDIS_MAX_CONNECTIONS = 40
-    settings.WEB_REDIS_SHORT_CONNECTIONS = 10
     client = broker.async_client()
     assert client.connection_pool.max_connections == 40
-    assert broker.PoolConfig.from_settings().blocking_readers == 30
 
 
 async def _read_all(request_ids: list[str], redis_client, block_ms: int) -> list[list]:
@@ -49,19 +47,18 @@ async def test_130_readers_on_the_default_pool_all_get_their_events(redis_client
     assert [len(events) for events in results] == [1] * 130
 
 
-async def test_readers_beyond_the_blocking_share_poll(settings, redis_client):
-    settings.WEB_REDIS_MAX_CONNECTIONS = 6
-    settings.WEB_REDIS_SHORT_CONNECTIONS = 2
+async def test_readers_hold_no_pooled_connection(settings, redis_client):
+    """30 readers on a pool of 2: they follow through the process's one stream reader."""
+    settings.WEB_REDIS_MAX_CONNECTIONS = 2
     request_ids = [uuid.uuid4().hex for _ in range(30)]
     results = await _read_all(request_ids, redis_client, block_ms=GUARD_S * 1000)
     assert [len(events) for events in results] == [1] * 30
     pool = broker.async_client().connection_pool
-    assert len(pool._in_use_connections) + len(pool._available_connections) <= 6
+    assert len(pool._in_use_connections) + len(pool._available_connections) <= 2
 
 
-async def test_an_empty_read_still_returns_after_its_block_time_while_polling(settings):
-    settings.WEB_REDIS_MAX_CONNECTIONS = 3
-    settings.WEB_REDIS_SHORT_CONNECTIONS = 2
+async def test_an_empty_read_still_returns_after_its_block_time(settings):
+    settings.WEB_REDIS_MAX_CONNECTIONS = 2
     results = await asyncio.wait_for(asyncio.gather(
         *(broker.read_events(uuid.uuid4().hex, "0-0", 200) for _ in range(5))), GUARD_S)
     assert results == [[]] * 5

@@ -1,12 +1,13 @@
 """The daemon's event writer against a real Redis, with no model: nothing buffered is lost
 when a write fails, and a request's job entry is acknowledged with its end, whenever it ends."""
 
+import time
 import uuid
 
 import pytest
 import redis
 
-from scheduler_daemon.event_writer import EventWriter
+from scheduler_daemon.event_writer import EventWriter, next_slot
 from scheduler_daemon.lifecycle import Lifecycle
 from scheduler_daemon.state import FinishedEvent, RequestStats, TokenEvent
 from tests.live_service import redis_conn
@@ -117,3 +118,37 @@ def test_a_history_sink_that_raises_never_loses_a_requests_events():
         assert kinds == ["accepted", "token", "done"]
     finally:
         real.delete(stream)
+
+
+def test_flush_slots_keep_to_the_interval_s_grid():
+    """Tokens come at tick ends, so a flush lands after its slot; the next slot is one
+    interval after the slot, not after the flush (issue 15: timed from the flush, a client
+    at 50 ms with 34 ms ticks got a chunk every ~62 ms)."""
+    interval, tick = 0.050, 0.034
+    due, now, flushes = 0.0, 0.0, []
+    for n in range(1, 301):  # 300 ticks; a flush at the first tick end past its slot
+        now = n * tick
+        if now >= due:
+            due = next_slot(due, now, interval)
+            flushes.append(now)
+    gaps = [b - a for a, b in zip(flushes, flushes[1:], strict=False)]
+    assert abs(sum(gaps) / len(gaps) - interval) < 0.002  # the client's mean gap
+    assert max(gaps) <= interval + tick  # never a whole tick more than the interval
+    # idle for longer than an interval (or an early, urgent flush): a fresh grid
+    assert next_slot(1.0, 2.0, interval) == 2.0 + interval
+    assert next_slot(1.0, 0.99, interval) == 0.99 + interval
+    assert next_slot(1.0, 1.01, interval) == 1.0 + interval
+
+
+def test_the_writer_flushes_streamed_tokens_on_the_grid():
+    writer = EventWriter(redis_conn(), "m", "d", Lifecycle(), stream_interval_s=1.0)
+    request_id = uuid.uuid4().hex
+    writer.on_event(TokenEvent(request_id, "a", 1, (1,)))  # the first text: at once
+    assert writer._flush_wait_s() == 0.0
+    with writer._cond:  # as flush() does, without Redis
+        writer._buffer.items.clear()
+        writer._buffer.urgent = False
+    slot = time.monotonic() - 0.3  # the previous slot was 0.3 s ago, its flush just now
+    writer._next_due = next_slot(slot, time.monotonic(), 1.0)
+    writer.on_event(TokenEvent(request_id, "b", 1, (2,)))
+    assert 0.5 < writer._flush_wait_s() <= 0.7  # due a second after the slot, not the flush

@@ -75,6 +75,12 @@ def events_stream(request_id: str) -> str:
     return f"{PREFIX}:events:{request_id}"
 
 
+def reader_wake_stream(reader_id: str) -> str:
+    """A web process's stream reader's wake stream: an entry ends its blocked XREAD (a new
+    follower's stream joins the next one). One entry at most; expires with its process."""
+    return f"{PREFIX}:wake:{reader_id}"
+
+
 def owner_key(request_id: str) -> str:
     """Which daemon owns a started request: set by the daemon that starts it, handed to the
     one that continues it after a death, taken by the web ("web") when it gives up on it.

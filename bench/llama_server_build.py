@@ -1,0 +1,76 @@
+"""Build llama-server once from the llama.cpp that llama-cpp-python==<pin> vendors, cached.
+
+The peer the service is measured against (bench/vs_llama_server.py, llama_server_prefix.py)
+must run the same llama.cpp as our engine, built for this CPU the same way: the sdist is
+fetched with ``pip download --no-binary :all: --no-deps``, and cmake gets the CPU flags
+scripts/dev.py gives llama-cpp-python (on this VM llama.cpp's ``-march=native`` AMX code is
+killed with SIGILL), plus ``-DLLAMA_CURL=OFF`` and static libraries (one binary to cache).
+The binary lands in ``~/.cache/llm-service/llama-server/<key>/llama-server``, where ``key``
+hashes the pin and the flags; later calls return at once.
+Run:  .venv/bin/python bench/llama_server_build.py   (prints the binary's path)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "llm-service" / "llama-server"
+
+
+def _dev():
+    """scripts/dev.py as a module (its CPU flags and the pin)."""
+    spec = importlib.util.spec_from_file_location("_dev", ROOT / "scripts" / "dev.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def pin() -> str:
+    """``llama-cpp-python==X.Y.Z`` as requirements.txt pins it."""
+    text = (ROOT / "requirements.txt").read_text()
+    return next(line.strip() for line in text.splitlines()
+                if line.startswith("llama-cpp-python=="))
+
+
+def build(log=print) -> Path:
+    """The cached llama-server binary, built first if needed (~10 min on 2 cores)."""
+    dev = _dev()
+    flags = dev.llama_cmake_args()
+    key = hashlib.sha256(f"{pin()}|{flags}|{os.uname().machine}".encode()).hexdigest()[:16]
+    binary = CACHE / key / "llama-server"
+    if binary.exists():
+        return binary
+    log(f"building llama-server from {pin()}'s vendored llama.cpp with: {flags or 'defaults'}")
+    with tempfile.TemporaryDirectory(prefix="llama-server-src-") as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check",
+                        "--no-binary", ":all:", "--no-deps", "-d", tmp, pin()], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build_dir = src / "build"
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir),
+                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+                        *flags.split()], check=True)
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server",
+                        "-j", str(os.cpu_count() or 2)], check=True)
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build_dir / "bin" / "llama-server", binary.with_suffix(".tmp"))
+        binary.with_suffix(".tmp").rename(binary)
+    log(f"llama-server cached at {binary}")
+    return binary
+
+
+if __name__ == "__main__":
+    print(build(log=lambda line: print(line, file=sys.stderr)))
