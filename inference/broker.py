@@ -188,9 +188,11 @@ def stream_reader() -> StreamReader:
     url = settings.REDIS_URL
     if url not in state.stream_readers:
         state.stream_readers[url] = StreamReader(
-            connect=lambda: aredis.Redis.from_url(
-                url, single_connection_client=True, socket_timeout=SOCKET_TIMEOUT_S,
-                socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY),
+            # a pool of one (not single_connection_client, whose __del__ closes its
+            # connection on a loop that may be gone)
+            connect=lambda: aredis.Redis(connection_pool=aredis.ConnectionPool.from_url(
+                url, max_connections=1, socket_timeout=SOCKET_TIMEOUT_S,
+                socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY)),
             waker=async_client, decode=_stream_event)
     return state.stream_readers[url]
 
