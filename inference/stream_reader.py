@@ -19,6 +19,7 @@ no follower is left.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +30,8 @@ import redis.asyncio as aredis
 
 from wire import protocol
 from wire.backoff import Backoff
+
+log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # the shared read's longest block (a follower's own wait is its own)
 READ_COUNT = 1000  # entries per stream per read (a resume from 0-0 of a long stream: several)
@@ -44,13 +47,14 @@ class Follower:
     """One reader's place in one stream: what the shared read fetched for it and not yet
     handed out (``buffer``), and up to where (``fetched``)."""
 
-    __slots__ = ("stream", "fetched", "buffer", "waiter")
+    __slots__ = ("stream", "fetched", "buffer", "waiter", "failure")
 
     def __init__(self, stream: str, after: str) -> None:
         self.stream = stream
         self.fetched = after  # the last entry id taken into ``buffer`` (or skipped)
         self.buffer: deque[tuple[str, Any]] = deque()  # (entry id, decoded entry)
         self.waiter: asyncio.Future[None] | None = None
+        self.failure: BaseException | None = None  # its stream held an entry we cannot read
 
     def _notify(self, error: BaseException | None = None) -> None:
         waiter = self.waiter
@@ -111,6 +115,8 @@ class StreamReader:
         """Entries of the follower's stream after ``after``, waiting up to ``block_ms`` for
         the first; [] when none came. Raises what the shared read failed with meanwhile."""
         self._seek(follower, after)
+        if follower.failure is not None and not follower.buffer:
+            raise follower.failure  # that request's error alone (a 500), as before
         if not follower.buffer:
             if self._error is not None:
                 raise self._error  # Redis is away: the caller counts the outage
@@ -180,7 +186,10 @@ class StreamReader:
             outage.succeeded()
             self._error = None
             self.reads += 1
-            self._deliver(reply or [], streams)
+            try:
+                self._deliver(reply or [], streams)
+            except Exception:  # a bug here must not stop every stream of this process
+                log.exception("the stream reader failed to hand out a reply; carrying on")
 
     def _deliver(self, reply: list[Any], since: dict[str, str]) -> None:
         """Hand each follower the entries after its place, from a read that started at or
@@ -194,8 +203,15 @@ class StreamReader:
             followers = self._followers.get(stream)
             if not followers:
                 continue  # its followers left while the read was in flight
-            decoded = [(_text(entry_id), fields) for entry_id, fields in entries]
-            events = [(entry_id, self._decode(entry_id, fields)) for entry_id, fields in decoded]
+            try:
+                events = [(_text(entry_id), self._decode(_text(entry_id), fields))
+                          for entry_id, fields in entries]
+            except Exception as exc:  # a malformed entry: its stream's followers fail, alone
+                log.error("unreadable entry in %s: %r", stream, exc)
+                for follower in followers:
+                    follower.failure = exc
+                    follower._notify()
+                continue
             start = entry_key(since[stream])
             for follower in followers:
                 mark = entry_key(follower.fetched)

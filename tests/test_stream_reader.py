@@ -208,3 +208,20 @@ async def test_a_read_that_started_past_a_followers_place_hands_it_nothing():
     reader._deliver([(b"s", [(b"6-0", {})])], since={"s": "5-0"})
     assert list(level.buffer) == [("6-0", "6-0")] and level.fetched == "6-0"
     assert not behind.buffer and behind.fetched == "0-0"
+
+
+async def test_an_unreadable_entry_fails_its_stream_alone(r):
+    """A malformed entry (a daemon's bug) ends its own reader with an error; the process's
+    other streams carry on (before the shared reader, it was that request's error alone)."""
+    client, made = r
+    bad, good = uuid.uuid4().hex, uuid.uuid4().hex
+    made += [protocol.events_stream(bad), protocol.events_stream(good)]
+    failing = asyncio.ensure_future(follow_to_end(bad))
+    fine = asyncio.ensure_future(follow_to_end(good))
+    await asyncio.sleep(0.2)
+    client.xadd(protocol.events_stream(bad), {"type": "token", "data": "{not json"})
+    client.xadd(protocol.events_stream(good), token(0))
+    with pytest.raises(ValueError):
+        await asyncio.wait_for(failing, GUARD_S)
+    client.xadd(protocol.events_stream(good), done())
+    assert await asyncio.wait_for(fine, GUARD_S) == ["t0"]
