@@ -210,6 +210,7 @@ class StreamReader:
                 log.error("unreadable entry in %s: %r", stream, exc)
                 for follower in followers:
                     follower.failure = exc
+                    follower.fetched = _text(entries[-1][0])  # not read again meanwhile
                     follower._notify()
                 continue
             start = entry_key(since[stream])
