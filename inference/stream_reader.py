@@ -114,9 +114,9 @@ class StreamReader:
                    count: int | None = None) -> list[Any]:
         """Entries of the follower's stream after ``after``, waiting up to ``block_ms`` for
         the first; [] when none came. Raises what the shared read failed with meanwhile."""
-        self._seek(follower, after)
-        if follower.failure is not None and not follower.buffer:
+        if follower.failure is not None:
             raise follower.failure  # that request's error alone (a 500), as before
+        self._seek(follower, after)
         if not follower.buffer:
             if self._error is not None:
                 raise self._error  # Redis is away: the caller counts the outage
