@@ -260,7 +260,7 @@ async def live_daemons() -> list[dict[str, Any]]:
     ids = await client.zrange(protocol.DAEMONS_ZSET, 0, -1)
     if not ids:
         return []
-    return _snapshots(await client.mget([protocol.daemon_key(_text(i)) for i in ids]))
+    return _snapshots(await client.mget([protocol.daemon_key(protocol.as_text(i)) for i in ids]))
 
 
 def live_daemons_sync() -> list[dict[str, Any]]:
@@ -269,7 +269,7 @@ def live_daemons_sync() -> list[dict[str, Any]]:
     ids = client.zrange(protocol.DAEMONS_ZSET, 0, -1)
     if not ids:
         return []
-    return _snapshots(client.mget([protocol.daemon_key(_text(i)) for i in ids]))
+    return _snapshots(client.mget([protocol.daemon_key(protocol.as_text(i)) for i in ids]))
 
 
 def send_command_sync(daemon_id: str, action: str, **args: Any) -> str:
@@ -279,7 +279,7 @@ def send_command_sync(daemon_id: str, action: str, **args: Any) -> str:
         protocol.control_stream(daemon_id), protocol.encode_command(action, **args),
         maxlen=1000, approximate=True,
     )
-    return _text(entry)
+    return protocol.as_text(entry)
 
 
 _seen_served: dict[str, float] = {}  # model -> when a live daemon was last seen serving it
@@ -437,7 +437,7 @@ def _only(entries: list[tuple[Any, Any]]) -> StreamEvent | None:
         return None
     entry_id, fields = entries[0]
     kind, data = protocol.decode_event(fields)
-    return StreamEvent(_text(entry_id), kind, data)
+    return StreamEvent(protocol.as_text(entry_id), kind, data)
 
 
 async def stream_exists(request_id: str) -> bool:
@@ -474,8 +474,4 @@ async def give_up(request_id: str, owner: str, message: str) -> bool:
 async def owner_of(request_id: str) -> str | None:
     """The request's owner now (a daemon id, "web"), None when it has none."""
     owner = await async_client().get(protocol.owner_key(request_id))
-    return None if owner is None else _text(owner)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return None if owner is None else protocol.as_text(owner)

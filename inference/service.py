@@ -383,7 +383,8 @@ async def _interrupt(request_id: str, daemon_id: str | None) -> str | None:
 async def _ended_before(request_id: str, after: str) -> bool:
     """Whether the stream's terminal event is at or before ``after`` (nothing left to send)."""
     last = await broker.last_event(request_id)
-    return last is not None and last.is_terminal and _id_key(last.entry_id) <= _id_key(after)
+    return (last is not None and last.is_terminal
+            and protocol.entry_order(last.entry_id) <= protocol.entry_order(after))
 
 
 def is_event_id(value: object) -> bool:
@@ -393,11 +394,6 @@ def is_event_id(value: object) -> bool:
         return False
     ms, _, seq = value.partition("-")
     return int(ms) < 2**64 and int(seq) < 2**64
-
-
-def _id_key(entry_id: str | None) -> tuple[int, int]:
-    ms, _, seq = (entry_id or "0-0").partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _synthetic_error(code: str, message: str) -> StreamEvent:

@@ -30,17 +30,13 @@ import redis.asyncio as aredis
 
 from wire import protocol
 from wire.backoff import Backoff
+from wire.protocol import as_text, entry_order
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # the shared read's longest block (a follower's own wait is its own)
 READ_COUNT = 1000  # entries per stream per read (a resume from 0-0 of a long stream: several)
 WAKE_TTL_S = 3600  # the wake stream outlives a dead process by at most this
-
-
-def entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class Follower:
@@ -82,7 +78,6 @@ class StreamReader:
         self._task: asyncio.Task[None] | None = None
         self._client: aredis.Redis | None = None
         self._error: BaseException | None = None  # the shared read's failure, until it reads again
-        self.reads = 0  # shared reads issued (tests and benchmarks look)
 
     # -- followers --------------------------------------------------------------------------
 
@@ -141,17 +136,17 @@ class StreamReader:
     def _seek(self, follower: Follower, after: str) -> None:
         """Start the follower after ``after``: entries up to it are dropped from its buffer;
         an ``after`` before what was fetched (and already handed out) fetches again."""
-        mark = entry_key(after)
-        while follower.buffer and entry_key(follower.buffer[0][0]) <= mark:
+        mark = entry_order(after)
+        while follower.buffer and entry_order(follower.buffer[0][0]) <= mark:
             follower.buffer.popleft()
-        if not follower.buffer and entry_key(follower.fetched) != mark:
+        if not follower.buffer and entry_order(follower.fetched) != mark:
             follower.fetched = after
 
     def _covers(self, follower: Follower) -> bool:
         """Whether the read in flight names the follower's stream from its place or before."""
         assert self._in_flight is not None
         since = self._in_flight.get(follower.stream)
-        return since is not None and entry_key(since) <= entry_key(follower.fetched)
+        return since is not None and entry_order(since) <= entry_order(follower.fetched)
 
     async def _wake(self) -> None:
         """End the blocked read now (it names this stream): an entry in the wake stream."""
@@ -165,7 +160,7 @@ class StreamReader:
     async def _run(self) -> None:
         outage = Backoff()
         while self._followers:
-            streams = {stream: min((f.fetched for f in followers), key=entry_key)
+            streams = {stream: min((f.fetched for f in followers), key=entry_order)
                        for stream, followers in self._followers.items()}
             streams[self.wake_stream] = self._wake_after
             self._in_flight = streams
@@ -174,7 +169,7 @@ class StreamReader:
                     self._client = self._connect()
                 reply = await self._client.xread(streams, count=READ_COUNT, block=READ_BLOCK_MS)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self._in_flight = None
+                self._in_flight = None  # not blocked while it backs off
                 self._error = exc
                 for followers in list(self._followers.values()):
                     for follower in followers:
@@ -185,7 +180,6 @@ class StreamReader:
                 self._in_flight = None
             outage.succeeded()
             self._error = None
-            self.reads += 1
             try:
                 self._deliver(reply or [], streams)
             except Exception:  # a bug here must not stop every stream of this process
@@ -198,46 +192,28 @@ class StreamReader:
         for raw_stream, entries in reply:
             stream = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
             if stream == self.wake_stream:
-                self._wake_after = _text(entries[-1][0])
+                self._wake_after = as_text(entries[-1][0])
                 continue
             followers = self._followers.get(stream)
             if not followers:
                 continue  # its followers left while the read was in flight
             try:
-                events = [(_text(entry_id), self._decode(_text(entry_id), fields))
+                events = [(as_text(entry_id), self._decode(as_text(entry_id), fields))
                           for entry_id, fields in entries]
             except Exception as exc:  # a malformed entry: its stream's followers fail, alone
                 log.error("unreadable entry in %s: %r", stream, exc)
                 for follower in followers:
                     follower.failure = exc
-                    follower.fetched = _text(entries[-1][0])  # not read again meanwhile
+                    follower.fetched = as_text(entries[-1][0])  # not read again meanwhile
                     follower._notify()
                 continue
-            start = entry_key(since[stream])
+            start = entry_order(since[stream])
             for follower in followers:
-                mark = entry_key(follower.fetched)
+                mark = entry_order(follower.fetched)
                 if start > mark:
                     continue
-                fresh = [item for item in events if entry_key(item[0]) > mark]
+                fresh = [item for item in events if entry_order(item[0]) > mark]
                 if fresh:
                     follower.buffer.extend(fresh)
                     follower.fetched = fresh[-1][0]
                     follower._notify()
-
-    async def close(self) -> None:
-        """Stop the task (tests); followers' waits end with CancelledError."""
-        for followers in list(self._followers.values()):
-            for follower in list(followers):
-                self.leave(follower)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._client is not None:
-            await self._client.aclose()
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -75,6 +75,17 @@ def events_stream(request_id: str) -> str:
     return f"{PREFIX}:events:{request_id}"
 
 
+def entry_order(entry_id: str | None) -> tuple[int, int]:
+    """A stream entry id ("1712345678901-0") as a sortable pair; None counts as "0-0"."""
+    ms, _, seq = (entry_id or "0-0").partition("-")
+    return int(ms), int(seq or 0)
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply value (bytes or not) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def reader_wake_stream(reader_id: str) -> str:
     """A web process's stream reader's wake stream: an entry ends its blocked XREAD (a new
     follower's stream joins the next one). One entry at most; expires with its process."""
