@@ -84,8 +84,9 @@ def test_chat_job_uses_the_cache_scope(daemon):
 
 def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
     _, db, _ = daemon_env
-    too_long = daemon.enqueue(prompt="word " * 3000, params={"max_tokens": 10})
-    db.add_request(too_long.id)
+    too_long_id = uuid.uuid4().hex
+    db.add_request(too_long_id)  # the row exists before the job, as the web's submit does it
+    too_long = daemon.enqueue(id=too_long_id, prompt="word " * 3000, params={"max_tokens": 10})
     [(_, kind, data)] = daemon.events(too_long.id)
     assert kind == "error" and data["code"] == "context_length_exceeded" and data["status"] == 400
     # the limit is one tenant's share of the KV budget: KV_TENANT_SHARE (0.5) of N_CTX 2048
@@ -101,10 +102,11 @@ def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
 
 def test_cancel_mid_generation_frees_the_slot(daemon, daemon_env):
     _, db, _ = daemon_env
+    job_id = uuid.uuid4().hex
+    db.add_request(job_id)
     job = daemon.enqueue(
-        prompt="Tell a long story.", params={"max_tokens": 400, "ignore_eos": True}
+        id=job_id, prompt="Tell a long story.", params={"max_tokens": 400, "ignore_eos": True}
     )
-    db.add_request(job.id)
     daemon.wait_for(job.id, "token")
     daemon.cancel(job.id)
     events = daemon.events(job.id)
@@ -189,10 +191,11 @@ def test_a_killed_daemons_jobs_are_continued_and_a_restart_serves_the_queue(
     setting = {"CONTINUE_STREAMS": str(continue_streams).lower()}
     first = make_daemon(**setting).start()
     queued_at = time.time()
+    running_id = uuid.uuid4().hex
+    db.add_request(running_id)
     running = first.enqueue(
-        prompt="Tell a long story.", params={"max_tokens": 200, "ignore_eos": True}
+        id=running_id, prompt="Tell a long story.", params={"max_tokens": 200, "ignore_eos": True}
     )
-    db.add_request(running.id)
     first.wait_for(running.id, "token")
     first.stop(signal.SIGKILL)
     killed_after_ms = (time.time() - queued_at) * 1000
