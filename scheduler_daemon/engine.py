@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,6 +182,8 @@ class LlamaEngine:
         self.abort_requested = False
         self._abort_callback = lc.ggml_abort_callback(lambda _data: self.abort_requested)
         self._abort_installed = False
+        self._n_threads = config.n_threads
+        self._compute_thread: int | None = None  # see decode(): one thread runs llama.cpp's team
         self.kv_bytes_per_token = self._measure_kv_bytes_per_token()
         log.info(
             "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
@@ -281,7 +284,30 @@ class LlamaEngine:
             self._abort_installed = abortable
         if self._batch.fill(rows, self._positions) == 0:
             return DECODE_OK
+        self._check_compute_thread()
         return int(lc.llama_decode(self._ctx, self._batch.struct))
+
+    def _check_compute_thread(self) -> None:
+        """Warn (once) when a second thread starts decoding with several threads.
+
+        ggml runs a graph as an OpenMP team whose master is the calling thread, and libgomp
+        keeps one pool of workers per master. A second master's pool counts against the
+        machine's CPUs: once libgomp manages more threads than there are CPUs it spins ~100
+        times instead of ~300,000 at each of the graph's barriers and sleeps on a futex
+        instead, so every decode's threads sleep and wake at every op (measured on 2 vCPUs:
+        the decode threads idle ~15% of the time; docs/performance.md). The scheduler's loop
+        thread is meant to be the only one.
+        """
+        ident = threading.get_ident()
+        if ident == self._compute_thread or self._n_threads <= 1:
+            return
+        if self._compute_thread is not None:
+            log.warning(
+                "llama.cpp decodes from a second thread (%s): OpenMP now throttles its spin "
+                "for every team of this process; keep every decode on one thread",
+                threading.current_thread().name,
+            )
+        self._compute_thread = ident
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """A zero-copy view of the logits at a batch index of the last decode."""
@@ -331,10 +357,19 @@ class LlamaEngine:
         return lc.llama_state_seq_set_data(self._ctx, data, len(data), seq_id) > 0
 
     def _measure_kv_bytes_per_token(self) -> int:
-        """One token's share of a saved sequence state (for cache listings): a 2-token probe."""
+        """One token's share of a saved sequence state (for cache listings): a 2-token probe.
+
+        Decoded with one thread: ggml then computes on the calling thread alone, so loading
+        (on whatever thread builds the engine) starts no OpenMP team (see decode()).
+        """
         token = max(0, self.bos_token)
-        if self.decode([BatchRow(0, (token, token), 0, True)]) != DECODE_OK:
-            return 0
+        lc.llama_set_n_threads(self._ctx, 1, 1)
+        try:
+            self._batch.fill([BatchRow(0, (token, token), 0, True)], self._positions)
+            if lc.llama_decode(self._ctx, self._batch.struct) != DECODE_OK:
+                return 0
+        finally:
+            lc.llama_set_n_threads(self._ctx, self._n_threads, self._n_threads)
         two = self.state_size(0)
         self.kv_remove(0, 1, -1)
         one = self.state_size(0)
