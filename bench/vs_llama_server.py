@@ -174,6 +174,19 @@ WORKLOADS = ["tput_c1", "tput_c4", "tput_c8", "prefix"]
 
 
 def run_workload(side: Side, name: str, salt: str) -> dict:
+    """One workload on one side; run again whole (fresh prompts) if the connection broke.
+
+    Seen once in 12 prefix runs: llama-server (cpp-httplib) closed a kept-alive connection
+    as the client sent its next request ("Server disconnected without sending a response").
+    """
+    try:
+        return _run_workload(side, name, salt)
+    except openai.APIConnectionError as exc:
+        print(f"  {side.name} {name}: {exc} ({exc.__cause__!r}); running it again", flush=True)
+        return _run_workload(side, name, f"{salt}-again")
+
+
+def _run_workload(side: Side, name: str, salt: str) -> dict:
     if name.startswith("tput_c"):
         conc = int(name[len("tput_c"):])
         return asyncio.run(throughput(side, conc, salt, batches=3 if conc == 1 else 2))
