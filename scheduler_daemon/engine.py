@@ -566,10 +566,18 @@ class LlamaSampler:
 
         Raises ``GrammarEnded`` (the grammar is complete) or ``SamplingFailed``."""
         if self._chain is None:
-            if self._bias_ids.size:
+            if not self._bias_ids.size:
+                return int(np.argmax(logits))
+            if not logits.flags.writeable:
                 logits = logits.copy()
-                logits[self._bias_ids] += self._bias_values
-            return int(np.argmax(logits))
+            # bias the few entries in place and put them back: copying the row (1 MB at
+            # 262k tokens) cost more than the argmax (ignore_eos biases every EOG token)
+            kept = logits[self._bias_ids]
+            logits[self._bias_ids] = kept + self._bias_values
+            try:
+                return int(np.argmax(logits))
+            finally:
+                logits[self._bias_ids] = kept
         cand = self._engine._candidates
         arr = self._candidate_array(cand, logits)
         allowed = None

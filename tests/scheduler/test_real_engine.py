@@ -165,6 +165,29 @@ def test_sampler_state_is_per_request_on_fixed_logits(gemma_engine):
         s.close()
 
 
+def test_greedy_bias_picks_around_banned_tokens_and_leaves_the_logits_as_they_were(gemma_engine):
+    logits = np.random.default_rng(1).normal(size=gemma_engine.n_vocab).astype(np.float32)
+    eog = int(gemma_engine.eog_tokens[0])
+    logits[eog] = 50.0  # the top token is an end-of-generation token
+    logits[123] = 40.0  # the best one left
+    logits[77] = 0.0  # boosted past both by logit_bias
+    before = logits.copy()
+    banned = gemma_engine.new_sampler(SamplingParams(temperature=0.0, ignore_eos=True))
+    assert banned.sample_logits(logits) == 123
+    boosted = gemma_engine.new_sampler(
+        SamplingParams(temperature=0.0, ignore_eos=True, logit_bias=((77, 100.0),))
+    )
+    assert boosted.sample_logits(logits) == 77
+    frozen = before.copy()
+    frozen.flags.writeable = False  # a row it may not touch is copied, same answer
+    assert banned.sample_logits(frozen) == 123
+    assert np.array_equal(logits, before)  # the bias was applied in place, then undone
+    plain = gemma_engine.new_sampler(SamplingParams(temperature=0.0))
+    assert plain.sample_logits(logits) == eog
+    for s in (banned, boosted, plain):
+        s.close()
+
+
 def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine):
     core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=1024))
     core.start()
