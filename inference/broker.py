@@ -361,15 +361,20 @@ async def _wait_out(outage: Backoff, error: Exception) -> None:
 # stream already holds the cap (nothing is trimmed: every entry is a request not yet ended).
 _ENQUEUE = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[2], 1, 'PX', ARGV[3]) end
 return redis.call('XADD', KEYS[1], '*', 'job', ARGV[2])
 """
 
 
-async def enqueue(job: protocol.Job) -> None:
+async def enqueue(job: protocol.Job, watch_ms: int = 0) -> None:
     """Queue a job for the daemons of its model. Raises ApiError 503 when the model's jobs
-    stream already holds JOBS_MAX_PENDING jobs (no daemon keeps up with it)."""
-    added = await async_client().eval(_ENQUEUE, 1, protocol.jobs_stream(job.model),
-                                      protocol.JOBS_MAX_PENDING, job.encode()["job"])
+    stream already holds JOBS_MAX_PENDING jobs (no daemon keeps up with it). ``watch_ms``
+    > 0: the request's watch key (inference/watch.py) is written with that TTL in the same
+    script, before the job exists: one round trip, and no daemon sees it unwatched."""
+    added = await async_client().eval(
+        _ENQUEUE, 2, protocol.jobs_stream(job.model), protocol.watch_key(job.id),
+        protocol.JOBS_MAX_PENDING, job.encode()["job"], watch_ms,
+    )
     if added is None:
         raise ApiError("service_unavailable",
                        f"{protocol.JOBS_MAX_PENDING} requests are already waiting for the "

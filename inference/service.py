@@ -50,6 +50,7 @@ class Queued:
     kind: str
     model: str
     created: int  # unix seconds
+    watched_at: float = 0.0  # monotonic: when the enqueue wrote its watch key (0: it did not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +94,11 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
             await _abandon(api_key.tenant_id, request_id)
         raise
     try:
-        async with CancelIfAbandoned(request_id, at_once=True):  # before XADD: watched
+        # watched from the enqueue script on (it writes the watch key before the job)
+        async with CancelIfAbandoned(request_id, at_once=True, watch_written=True):
             job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
-            await broker.enqueue(job)
+            watched_at = time.monotonic() if watch.enabled() else 0.0  # at or before the key
+            await broker.enqueue(job, watch_ms=watch.ttl_ms())
     except redis.RedisError as exc:
         log.warning("Redis refused the job of request %s: %r", request_id, exc)
         await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE)
@@ -103,7 +106,8 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     except BaseException:
         await _abandon(api_key.tenant_id, request_id)
         raise
-    return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()))
+    return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()),
+                  watched_at)
 
 
 async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
@@ -162,7 +166,9 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
 async def answer(queued: Queued) -> Submission:
     """Wait for the daemon's first event. Raises ApiError: 503 when no daemon takes the job;
     the daemon's refusal (queue_full 503, context_length_exceeded 400, ...)."""
-    async with CancelIfAbandoned(queued.request_id):
+    # the key the enqueue wrote still has most of its grace to live: no second write
+    written = bool(queued.watched_at) and time.monotonic() - queued.watched_at < watch.renew_s()
+    async with CancelIfAbandoned(queued.request_id, watch_written=written):
         first = await _wait_first(queued.request_id, queued.model)
     if first.kind == protocol.ERROR:
         metrics.observe_end(first.data, first.kind)
@@ -408,11 +414,12 @@ class CancelIfAbandoned:
     (or RESUME_GRACE_S 0): the cancel is published as the reader leaves (a request whose
     client cannot have learnt its id yet)."""
 
-    def __init__(self, request_id: str, at_once: bool = False) -> None:
+    def __init__(self, request_id: str, at_once: bool = False,
+                 watch_written: bool = False) -> None:
         self.request_id = request_id
         self.at_once = at_once
         self.ended = False  # set by a reader that has seen the terminal event: no cancel
-        self._watching = watch.Watching(request_id)
+        self._watching = watch.Watching(request_id, written=watch_written)
 
     async def __aenter__(self) -> CancelIfAbandoned:
         await self._watching.__aenter__()

@@ -49,15 +49,18 @@ def renew_s() -> float:
 class Watching:
     """Keeps ``request_id``'s watch key alive from ``__aenter__`` (which writes it before
     it returns: a request being queued is watched before a daemon can see it) to
-    ``__aexit__`` (which writes nothing: the key expires a grace later)."""
+    ``__aexit__`` (which writes nothing: the key expires a grace later). ``written``: the
+    caller writes the first key itself, with ``ttl_ms()``, before anything can see the
+    request (the enqueue script does, in the same round trip as the job)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, written: bool = False) -> None:
         self.request_id = request_id
+        self.written = written
         self._held = False
 
     async def __aenter__(self) -> Watching:
         if enabled():
-            await _renewer().hold(self.request_id)
+            await _renewer().hold(self.request_id, write=not self.written)
             self._held = True
         return self
 
@@ -76,10 +79,11 @@ class _Renewer:
         self.readers: Counter[str] = Counter()
         self.task: asyncio.Task[None] | None = None
 
-    async def hold(self, request_id: str) -> None:
+    async def hold(self, request_id: str, write: bool = True) -> None:
         self.readers[request_id] += 1
         try:
-            await _renew([request_id])
+            if write:
+                await _renew([request_id])
         except asyncio.CancelledError:
             self.release(request_id)
             raise
@@ -102,13 +106,18 @@ class _Renewer:
                 log.warning("could not renew %d watch keys", len(self.readers), exc_info=True)
 
 
+def ttl_ms() -> int:
+    """A watch key's life from its last write: RESUME_GRACE_S (0: not watched)."""
+    return max(1, int(grace_s() * 1000)) if enabled() else 0
+
+
 async def _renew(request_ids: list[str]) -> None:
     if not request_ids:
         return
-    ttl_ms = max(1, int(grace_s() * 1000))
+    ttl = ttl_ms()
     pipe = broker.async_client().pipeline(transaction=False)
     for request_id in request_ids:
-        pipe.set(protocol.watch_key(request_id), 1, px=ttl_ms)
+        pipe.set(protocol.watch_key(request_id), 1, px=ttl)
     await pipe.execute()
 
 

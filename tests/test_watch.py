@@ -51,6 +51,17 @@ async def test_a_reader_writes_the_key_at_once_renews_it_and_leaves_it_to_expire
 
 
 @pytest.mark.asyncio
+async def test_a_reader_whose_key_was_written_for_it_writes_nothing_then_renews_it(
+        r, request_id, settings):
+    settings.RESUME_GRACE_S = 0.6
+    key = protocol.watch_key(request_id)
+    async with watch.Watching(request_id, written=True):
+        assert not r.exists(key)  # the enqueue script writes it (here nobody did)
+        await _until(lambda: r.exists(key))  # the renewals start at once all the same
+        assert 0 < r.pttl(key) <= 600
+
+
+@pytest.mark.asyncio
 async def test_the_key_lives_while_any_reader_holds_it(r, request_id, settings):
     settings.RESUME_GRACE_S = 0.6
     key = protocol.watch_key(request_id)
