@@ -5,7 +5,11 @@ greedy. "ours" submits them to the in-process core (scheduler thread, chunked pr
 per-request samplers, text streams, events); "raw" runs the same batch shapes by hand
 (one prefill decode of the N prompts, then one decode of N tokens per step, numpy argmax).
 Both include prefill; each figure is the best of --reps interleaved runs (other load on a
-shared machine only ever slows a run down). Run:  .venv/bin/python bench/engine_throughput.py
+shared machine only ever slows a run down). Each side runs in a process of its own (the
+bench talks to both over pipes, one run at a time): in one process the raw loop on the main
+thread and the core's loop thread would be two OpenMP teams, and libgomp throttles every
+team's barrier spin once it manages more threads than CPUs (docs/performance.md), which
+slowed both sides alike until 2026-12-02. Run:  .venv/bin/python bench/engine_throughput.py
 The last line printed is JSON.
 """
 
@@ -15,6 +19,8 @@ import argparse
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 from _common import machine, model_path
@@ -73,61 +79,84 @@ def run_raw(engine: LlamaEngine, prompts: list[list[int]], new_tokens: int) -> f
     return len(prompts) * new_tokens / elapsed
 
 
+def worker(side: str, n_seq: int, threads: int) -> None:
+    """One side in its own process: reads "conc new_tokens" lines, answers tok/s lines."""
+    logging.basicConfig(level=logging.WARNING)
+    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
+                                      n_seq_max=n_seq, n_threads=threads))
+    prompts = make_prompts(engine, n_seq)
+    core = None
+    if side == "ours":
+        core = InferenceCore(engine, SchedulerConfig(chunk_size=512))
+        core.start()
+    run = (lambda c, n: run_ours(core, prompts[:c], n)) if core else (
+        lambda c, n: run_raw(engine, prompts[:c], n))
+    run(1, 8)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        conc, new_tokens = map(int, line.split())
+        print(run(conc, new_tokens), flush=True)
+    if core:
+        core.stop(grace_s=0)
+    engine.close()
+
+
+class Side:
+    def __init__(self, side: str, n_seq: int, threads: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", side, "--conc", str(n_seq),
+             "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the {side} worker did not start")
+
+    def run(self, conc: int, new_tokens: int) -> float:
+        self.proc.stdin.write(f"{conc} {new_tokens}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conc", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--worker", choices=["raw", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
     n_seq = max(args.conc)
-    engine = LlamaEngine(
-        EngineConfig(
-            model_path=model_path(),
-            n_ctx=8192,
-            n_batch=2048,
-            n_seq_max=n_seq,
-            n_threads=args.threads,
-        )
-    )
-    core = InferenceCore(engine, SchedulerConfig(chunk_size=512))
-    core.start()
-    prompts = make_prompts(engine, n_seq)
+    if args.worker:
+        worker(args.worker, n_seq, args.threads)
+        return
+    raw_side, ours_side = Side("raw", n_seq, args.threads), Side("ours", n_seq, args.threads)
     print(f"machine: {machine()}")
-    print(
-        f"model: {engine.model_path}  threads={args.threads} n_ctx=8192 n_batch=2048 "
-        f"n_seq_max={n_seq}"
-    )
-    run_raw(engine, prompts[:1], 8)  # warm-up
-    run_ours(core, prompts[:1], 8)
+    print(f"model: {model_path()}  threads={args.threads} n_ctx=8192 n_batch=2048 "
+          f"n_seq_max={n_seq}; each side in its own process")
     rows = []
     print(f"{'conc':>4} {'ours tok/s':>11} {'raw tok/s':>10} {'ratio':>6}")
-    for conc in args.conc:
-        ours, raw = [], []
-        for _ in range(args.reps):  # interleaved, so drift hits both alike
-            raw.append(run_raw(engine, prompts[:conc], args.new_tokens))
-            ours.append(run_ours(core, prompts[:conc], args.new_tokens))
-        row = {"conc": conc, "ours_tok_s": round(max(ours), 2), "raw_tok_s": round(max(raw), 2)}
-        row["ratio"] = round(row["ours_tok_s"] / row["raw_tok_s"], 3)
-        rows.append(row)
-        print(
-            f"{conc:>4} {row['ours_tok_s']:>11.2f} {row['raw_tok_s']:>10.2f} {row['ratio']:>6.3f}",
-            flush=True,
-        )
-    core.stop(grace_s=0)
-    engine.close()
-    print(
-        json.dumps(
-            {
-                "bench": "engine_throughput",
-                "new_tokens": args.new_tokens,
-                "prompt_tokens": PROMPT_TOKENS,
-                "reps": args.reps,
-                "rows": rows,
-            }
-        )
-    )
+    try:
+        for conc in args.conc:
+            ours, raw = [], []
+            for _ in range(args.reps):  # interleaved, so drift hits both alike
+                raw.append(raw_side.run(conc, args.new_tokens))
+                ours.append(ours_side.run(conc, args.new_tokens))
+            row = {"conc": conc, "ours_tok_s": round(max(ours), 2),
+                   "raw_tok_s": round(max(raw), 2)}
+            row["ratio"] = round(row["ours_tok_s"] / row["raw_tok_s"], 3)
+            rows.append(row)
+            print(f"{conc:>4} {row['ours_tok_s']:>11.2f} {row['raw_tok_s']:>10.2f} "
+                  f"{row['ratio']:>6.3f}", flush=True)
+    finally:
+        raw_side.close()
+        ours_side.close()
+    print(json.dumps({"bench": "engine_throughput", "machine": machine(),
+                      "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS,
+                      "reps": args.reps, "rows": rows}))
 
 
 if __name__ == "__main__":
