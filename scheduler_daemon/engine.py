@@ -184,7 +184,7 @@ class LlamaEngine:
         self._abort_callback = lc.ggml_abort_callback(lambda _data: self.abort_requested)
         self._abort_installed = False
         self._n_threads = config.n_threads
-        self._compute_thread: int | None = None  # see decode(): one thread runs llama.cpp's team
+        self._compute_thread: threading.Thread | None = None  # see decode(): the team's master
         self.kv_bytes_per_token = self._measure_kv_bytes_per_token()
         log.info(
             "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
@@ -299,16 +299,17 @@ class LlamaEngine:
         the decode threads idle ~15% of the time; docs/performance.md). The scheduler's loop
         thread is meant to be the only one.
         """
-        ident = threading.get_ident()
-        if ident == self._compute_thread or self._n_threads <= 1:
+        current = threading.current_thread()
+        if current is self._compute_thread or self._n_threads <= 1:
             return
-        if self._compute_thread is not None:
+        # a thread that has ended took its pool with it (a core stopped, another started)
+        if self._compute_thread is not None and self._compute_thread.is_alive():
             log.warning(
-                "llama.cpp decodes from a second thread (%s): OpenMP now throttles its spin "
-                "for every team of this process; keep every decode on one thread",
-                threading.current_thread().name,
+                "llama.cpp decodes from a second thread (%s, while %s lives): OpenMP now "
+                "throttles its spin for every team of this process; keep every decode on "
+                "one thread", current.name, self._compute_thread.name,
             )
-        self._compute_thread = ident
+        self._compute_thread = current
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """A zero-copy view of the logits at a batch index of the last decode.

@@ -71,3 +71,43 @@ def test_the_engine_and_the_loop_make_one_openmp_team():
     before, loaded, served = (set(threads[k]) for k in ("before", "loaded", "served"))
     assert loaded == before, "building the engine started threads of its own"
     assert len(served - before) == 1, f"one OpenMP worker for n_threads=2, got {threads}"
+
+
+WARNING_CHILD = r"""
+import logging, sys, threading
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from scheduler_daemon.engine import EngineConfig, LlamaEngine
+from scheduler_daemon.engine_api import BatchRow
+
+engine = LlamaEngine(EngineConfig(model_path=sys.argv[1], n_ctx=512, n_batch=64,
+                                  n_seq_max=1, n_threads=2))
+
+def decode():
+    engine.kv_remove(0)
+    assert engine.decode([BatchRow(0, (engine.bos_token, 1, 2), 0, True)]) == 0
+
+for _ in range(2):  # one thread after another: each ended thread took its pool with it
+    thread = threading.Thread(target=decode, name="ended")
+    thread.start()
+    thread.join()
+print("--- sequential done", file=sys.stderr, flush=True)
+decoded, release = threading.Event(), threading.Event()
+alive = threading.Thread(target=lambda: (decode(), decoded.set(), release.wait()), name="alive")
+alive.start()
+decoded.wait(60)
+decode()  # the main thread, while "alive" lives: two teams
+release.set()
+alive.join()
+"""
+
+
+def test_a_second_live_decoding_thread_is_warned_about_and_a_successor_is_not():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", WARNING_CHILD, model_path()],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = done.stderr.split("--- sequential done")
+    assert "second thread" not in before
+    assert after.count("decodes from a second thread (MainThread, while alive lives)") == 1
