@@ -11,6 +11,8 @@ streamed, as a user would call either server):
   ``ignore_eos``; aggregate generated tokens / wall time of the batch. At N = 1 also the
   TTFT p50 (request sent -> first chunk with text) and the gap between two chunks with
   text a client receives (p50, the streaming interval as the client sees it).
+- ``ttft``: TTFT alone, 10 sequential streamed requests of distinct prompts (4 new tokens)
+  per side and round; p50, and the per-round difference of the two p50s ("TTFT added").
 - ``prefix``: the seed prefix scenario (bench/prefix_cache.py): 8 conversations x 4 turns,
   two at a time, the ~300-token shared system prompt (salted per round), 16 new tokens,
   greedy; TTFT p50/p90 and the cached share of prompt tokens (ours: usage's
@@ -50,6 +52,7 @@ from prefix_cache import SYSTEM, scenario
 TOPICS = ["rivers", "mountains", "trains", "bread", "stars", "gardens", "cities", "music"]
 NEW_TOKENS = 128
 PREFIX_NEW_TOKENS = 16
+TTFT_REQUESTS = 10  # per side and round, one at a time
 
 
 def prompt(salt: str, i: int) -> str:
@@ -146,6 +149,17 @@ async def throughput(side: Side, conc: int, salt: str, batches: int) -> dict:
             "gap_p50_ms": statistics.median(gaps) * 1000 if gaps else None}
 
 
+async def ttft(side: Side, salt: str, requests: int = TTFT_REQUESTS) -> dict:
+    """TTFT alone: sequential streamed requests of distinct prompts, 4 new tokens each."""
+    client = side.openai()
+    try:
+        got = [await stream(client, side, None, prompt(f"{salt}-t", i), 4)
+               for i in range(requests)]
+    finally:
+        await client.close()
+    return {"ttft_p50_ms": statistics.median(r["ttft_s"] for r in got) * 1000}
+
+
 async def prefix(side: Side, salt: str) -> dict:
     client = side.openai()
     system = f"Conversation set {salt}. {SYSTEM}"
@@ -170,7 +184,7 @@ async def prefix(side: Side, salt: str) -> dict:
             "cached_ratio": sum(r["cached_tokens"] for r in results) / prompt_tokens}
 
 
-WORKLOADS = ["tput_c1", "tput_c4", "tput_c8", "prefix"]
+WORKLOADS = ["tput_c1", "tput_c4", "tput_c8", "ttft", "prefix"]
 
 
 def run_workload(side: Side, name: str, salt: str) -> dict:
@@ -190,6 +204,8 @@ def _run_workload(side: Side, name: str, salt: str) -> dict:
     if name.startswith("tput_c"):
         conc = int(name[len("tput_c"):])
         return asyncio.run(throughput(side, conc, salt, batches=3 if conc == 1 else 2))
+    if name == "ttft":
+        return asyncio.run(ttft(side, salt))
     return asyncio.run(prefix(side, salt))
 
 
@@ -297,6 +313,8 @@ def summarize(rows: dict[str, list[tuple[dict, dict]]]) -> dict:
                 "ours": spread([o[metric] for o in ours]),
                 "ratio": spread([o[metric] / p[metric] for p, o in pairs]),
             }
+        if name == "ttft":
+            entry["added_ms"] = spread([o["ttft_p50_ms"] - p["ttft_p50_ms"] for p, o in pairs])
         out[name] = entry
     return out
 
@@ -306,10 +324,16 @@ def print_table(summary: dict) -> None:
           f"{'ratio (ours/peer) median [min, max]':>36}")
     for name, entry in summary.items():
         for metric, cell in entry.items():
+            if metric == "added_ms":
+                continue
             r = cell["ratio"]
             print(f"{name:>9} {metric:>12} {cell['llama_server']['median']:>14.2f} "
                   f"{cell['ours']['median']:>10.2f} {r['median']:>14.3f} "
                   f"[{r['min']:.3f}, {r['max']:.3f}]")
+        if name == "ttft" and "added_ms" in entry:
+            a = entry["added_ms"]
+            print(f"{'':>9} TTFT added at conc 1: {a['median']:+.1f} ms "
+                  f"[{a['min']:+.1f}, {a['max']:+.1f}] (per-round differences of the p50s)")
         if "tok_s" in entry and name == "tput_c1":
             t = entry["ttft_p50_ms"]
             print(f"{'':>9} TTFT added at conc 1: "
