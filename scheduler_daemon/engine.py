@@ -289,7 +289,8 @@ class LlamaEngine:
         return int(lc.llama_decode(self._ctx, self._batch.struct))
 
     def _check_compute_thread(self) -> None:
-        """Warn (once) when a second thread starts decoding with several threads.
+        """Warn when a thread starts decoding with several threads while the one that
+        decoded before it still lives (the thread check costs one lookup per decode).
 
         ggml runs a graph as an OpenMP team whose master is the calling thread, and libgomp
         keeps one pool of workers per master. A second master's pool counts against the
