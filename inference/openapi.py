@@ -113,7 +113,7 @@ class CommonRequestSerializer(serializers.Serializer):
     checks (wire/sampling.py)."""
 
     model = serializers.CharField(required=False, min_length=1,
-                                  help_text="default: the server's MODEL_NAME")
+                                  help_text="default: the first of the server's MODELS")
     stream = serializers.BooleanField(required=False)
     stream_options = StreamOptionsSerializer(required=False, allow_null=True)
     max_tokens = _ranged("max_tokens", allow_null=True)

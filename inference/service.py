@@ -81,7 +81,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     except redis.RedisError as exc:
         raise _redis_unavailable(exc) from exc
     if not served:
-        if parsed.model == settings.MODEL_NAME:
+        if parsed.model in settings.MODELS:  # configured, its daemon not up (yet)
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
     broker.check_capacity()  # 503 before anything is admitted when this process is full

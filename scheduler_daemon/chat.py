@@ -50,6 +50,8 @@ class TemplateSource(Protocol):
     def bos_token(self) -> int: ...
     @property
     def eos_token(self) -> int: ...
+    @property
+    def adds_bos(self) -> bool: ...
 
 
 class ChatRenderer:
@@ -113,7 +115,9 @@ class ChatRenderer:
         return pieces
 
     def _render_text(self, messages: list[tuple[str, str]]) -> str:
-        """The template's text; the tokenizer adds BOS, so a template's leading BOS is dropped."""
+        """The template's text. A template's leading BOS is dropped when the tokenizer adds
+        one (Gemma); a model whose tokenizer adds none keeps it (SmolLM2: its BOS is
+        ``<|im_start|>``, the first turn's own marker)."""
         if self._jinja is None:
             return self._source.apply_builtin_template(self.builtin, messages)
         bos = self._source.token_text(self._source.bos_token)
@@ -126,7 +130,9 @@ class ChatRenderer:
             )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"the chat template refused them: {exc}") from None
-        return text[len(bos) :] if bos and text.startswith(bos) else text
+        if bos and self._source.adds_bos and text.startswith(bos):
+            return text[len(bos) :]
+        return text
 
 
 # Content markers (Unicode private use area) around each message while the template runs.

@@ -476,6 +476,11 @@ class LlamaEngine:
     def eos_token(self) -> int:
         return int(lc.llama_vocab_eos(self._vocab))
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether tokenizing with ``add_special`` puts BOS first (the vocabulary says)."""
+        return bool(lc.llama_vocab_get_add_bos(self._vocab))
+
     def _builtin_templates(self) -> set[str]:
         count = lc.llama_chat_builtin_templates(None, 0)
         out = (ctypes.c_char_p * count)()

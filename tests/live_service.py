@@ -37,6 +37,7 @@ from urllib.parse import quote, urlencode
 import redis
 from django.conf import settings
 
+from config.models import CATALOG, SMOLLM2, SMOLLM2_PIN
 from wire import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -433,9 +434,18 @@ _daemons: dict[str, RealDaemon] = {}
 
 def shared_daemon(web: WebServer, role: str = "main") -> RealDaemon:
     """The session's daemon for ``role`` (N_CTX 2048, N_PARALLEL 2), started on first use.
-    Its model name is unique to this session, so no other test's jobs reach it."""
+    Its model name is unique to this session, so no other test's jobs reach it.
+    ``role="chat"``: SmolLM2-135M-Instruct under its catalog name (the web's default model,
+    the first of ``MODELS``), from its installed wheel."""
     if role not in _daemons:
-        _daemons[role] = RealDaemon(web, f"gemma-{role}-{uuid.uuid4().hex[:6]}").start()
+        if role == "chat":
+            path = CATALOG[SMOLLM2].path()
+            if path is None:
+                raise RuntimeError(f"{SMOLLM2_PIN} is not installed: run `make setup`")
+            daemon = RealDaemon(web, SMOLLM2, MODEL_PATH=str(path))
+        else:
+            daemon = RealDaemon(web, f"gemma-{role}-{uuid.uuid4().hex[:6]}")
+        _daemons[role] = daemon.start()
         atexit.register(_daemons[role].stop)
     return _daemons[role]
 

@@ -118,12 +118,13 @@ def test_unknown_model_is_400_naming_model(api, parties, standin):
 
 
 def test_no_live_daemon_is_503_and_nothing_is_queued(api, parties, settings):
-    settings.MODEL_NAME = f"nobody-serves-{uuid.uuid4().hex[:6]}"
+    model = f"nobody-serves-{uuid.uuid4().hex[:6]}"
+    settings.MODELS = [model]
     for path, body in ((CHAT, {"messages": HELLO}), (COMPLETIONS, {"prompt": "x"})):
-        response = post(api, path, {"model": settings.MODEL_NAME, **body}, parties.owner)
+        response = post(api, path, {"model": model, **body}, parties.owner)
         assert error_of(response, 503)["code"] == "scheduler_unavailable"
         assert response["Retry-After"]
-    assert not redis_conn().exists(protocol.jobs_stream(settings.MODEL_NAME))
+    assert not redis_conn().exists(protocol.jobs_stream(model))
     assert not InferenceRequest.objects.exists()
 
 

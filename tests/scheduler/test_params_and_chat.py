@@ -99,8 +99,9 @@ def test_text_parts_are_joined():
 class Source:
     """A template source like the engine, without a model."""
 
-    def __init__(self, template: str | None) -> None:
+    def __init__(self, template: str | None, adds_bos: bool = True) -> None:
         self.template = template
+        self.adds_bos = adds_bos
         self.builtin_calls = []
 
     def model_chat_template(self):
@@ -130,6 +131,13 @@ def test_gguf_jinja_template_is_used_and_its_bos_left_to_the_tokenizer():
     renderer = ChatRenderer(Source(JINJA))
     assert renderer.kind == "jinja"
     assert renderer.render([("user", "hi")]) == "<user>hi<assistant>"
+
+
+def test_a_leading_bos_stays_when_the_tokenizer_adds_none():
+    """SmolLM2's BOS is <|im_start|> and its tokenizer adds no BOS: dropping it would cut
+    the first turn's marker."""
+    assert ChatRenderer(Source(JINJA, adds_bos=False)).render([("user", "hi")]) == (
+        "<bos><user>hi<assistant>")
 
 
 def test_configured_template_wins_and_a_name_means_a_builtin():

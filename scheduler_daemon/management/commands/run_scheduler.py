@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -66,6 +67,11 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # before supervising: a missing file is not a crash to restart after
+        if not Path(settings.MODEL_PATH).is_file():
+            raise CommandError(f"the model {settings.MODEL_NAME!r}: MODEL_PATH="
+                               f"{settings.MODEL_PATH} is not a file (`make setup` installs "
+                               f"the models config/models.py knows)")
         if options["supervise"]:
             daemon_id = options["daemon_id"] or (
                 f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
