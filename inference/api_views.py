@@ -86,9 +86,10 @@ class CompletionView(APIView):
         if parsed.stream:
             return _sse_response(formatter, replay.events() if replay else
                                  service.events(submission))
-        text, final = await (replay.collect() if replay else service.collect(submission))
+        collected = await (replay.collect() if replay else service.collect(submission))
         # Django's JsonResponse: a DRF Response is rendered on a thread (one more hop).
-        response = JsonResponse(formatter.whole(text, final))
+        response = JsonResponse(formatter.whole(collected.text, collected.final,
+                                                collected.logprobs))
         response["X-Request-Id"] = submission.request_id
         return response
 

@@ -77,7 +77,7 @@ class Replay:
             async for event in rest:
                 yield event
 
-    async def collect(self) -> tuple[str, StreamEvent]:
+    async def collect(self) -> service.Collected:
         """All text and the terminal event (``service.collect``'s twin)."""
         collected = await service.collect_events(self.request_id, self.events())
         if collected is not None:

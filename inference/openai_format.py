@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inference.broker import StreamEvent
@@ -25,14 +25,18 @@ class Formatter:
     model: str
     created: int
     include_usage: bool = False
+    # completions' text_offset runs on across a stream's chunks
+    _offset: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @property
     def id(self) -> str:
         return f"{'chatcmpl' if self.kind == CHAT else 'cmpl'}-{self.request_id}"
 
-    def whole(self, text: str, final: StreamEvent) -> dict[str, Any]:
+    def whole(self, text: str, final: StreamEvent,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The non-streaming body. An ``error`` final event raises ApiError instead; a
-        ``timeout`` one carries the text made until then and its (billed) usage."""
+        ``timeout`` one carries the text made until then and its (billed) usage.
+        ``logprobs``: the wire's entries of every token (a request that asked for them)."""
         if final.kind == protocol.ERROR:
             error = ApiError.from_event(final.data)
             if error.code == TIMEOUT:
@@ -41,9 +45,10 @@ class Formatter:
         reason = final.data.get("finish_reason")
         if self.kind == CHAT:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
+                      "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason,
+                      "logprobs": self._logprobs(logprobs)}
         return {**self._head(whole=True), "choices": [choice], "usage": usage_of(final)}
 
     def chunks(self, event: StreamEvent) -> list[dict[str, Any]]:
@@ -52,7 +57,11 @@ class Formatter:
             return [self._chunk({"role": "assistant", "content": ""})] if self.kind == CHAT else []
         if event.kind == protocol.TOKEN:
             text = event.data.get("text", "")
-            return [self._chunk({"content": text} if self.kind == CHAT else text)] if text else []
+            logprobs = self._logprobs(event.data.get("logprobs"))
+            if not text and logprobs is None:
+                return []
+            return [self._chunk({"content": text} if self.kind == CHAT else text,
+                                logprobs=logprobs)]
         if event.kind == protocol.DONE:
             last = self._chunk({} if self.kind == CHAT else "", event.data.get("finish_reason"))
             if not self.include_usage:
@@ -72,14 +81,51 @@ class Formatter:
             head["usage"] = None
         return head
 
-    def _chunk(self, delta: dict[str, Any] | str, reason: str | None = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str, reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.kind == CHAT:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice.update(finish_reason=reason, logprobs=None)
+        choice.update(finish_reason=reason, logprobs=logprobs)
         return {**self._head(), "choices": [choice]}
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """The wire's logprobs entries in OpenAI's shape (None: the request asked none).
+        Chat: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``.
+        Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob)
+        and ``text_offset`` (each token's start in the completion text, counted in
+        characters of the tokens' text, which is the text unless a token ends inside a
+        UTF-8 character)."""
+        if not entries:
+            return None
+        if self.kind == CHAT:
+            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+        tokens, offsets = [], []
+        for entry in entries:
+            tokens.append(_piece(entry["b"])[0])
+            offsets.append(self._offset[0])
+            self._offset[0] += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e["lp"] for e in entries],
+                "top_logprobs": [{_piece(b)[0]: lp for b, lp in reversed(e["top"])}
+                                 for e in entries],
+                "text_offset": offsets}
+
+
+def _piece(hex_bytes: str) -> tuple[str, list[int]]:
+    """A token's text (undecodable bytes replaced) and its bytes, from the wire's hex."""
+    raw = bytes.fromhex(hex_bytes)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _chat_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    token, raw = _piece(entry["b"])
+    top = []
+    for hex_bytes, logprob in entry["top"]:
+        text, alt_raw = _piece(hex_bytes)
+        top.append({"token": text, "logprob": logprob, "bytes": alt_raw})
+    return {"token": token, "logprob": entry["lp"], "bytes": raw, "top_logprobs": top}
 
 
 def usage_of(event: StreamEvent) -> dict[str, Any]:

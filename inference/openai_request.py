@@ -24,7 +24,7 @@ from inference.errors import ApiError, invalid
 from wire import protocol
 from wire.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameter
 from wire.messages import parse_messages
-from wire.sampling import FIELD_NAMES, SamplingParams, require_text
+from wire.sampling import FIELD_NAMES, RANGES, SamplingParams, require_text
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -56,8 +56,6 @@ def _falsy(value: Any) -> bool:
 
 # OpenAI fields we do not implement but accept while they ask for nothing we would ignore.
 _HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _falsy,
-    "top_logprobs": _falsy,
     "tools": _none_or([]),
     "tool_choice": _none_or("none", "auto"),
     "functions": _none_or([]),
@@ -71,13 +69,12 @@ _HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": _anything,
 }
 _HARMLESS_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _falsy,
     "echo": _none_or(False),
     "best_of": _none_or(1),
     "suffix": _none_or(""),
 }
 _KNOWN = {
-    CHAT: (_COMMON | {"messages"}, _HARMLESS_CHAT),
+    CHAT: (_COMMON | {"messages", "top_logprobs"}, _HARMLESS_CHAT),
     COMPLETION: (_COMMON | {"prompt"}, _HARMLESS_COMPLETION),
 }
 
@@ -171,7 +168,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         parsed.messages = _messages(body.get("messages"))
     else:
         parsed.prompt = _prompt(body.get("prompt"))
-    parsed.params = _sampling(body)
+    parsed.params = _sampling(_chat_logprobs(body) if kind == CHAT else body)
     parsed.timeout_s = _timeout(body.get("timeout"))
     return parsed
 
@@ -298,6 +295,33 @@ def _prompt(value: Any) -> str | list[int]:
         return value
     raise invalid("prompt", "prompt must be a string or a list of token ids "
                             "(batches of several prompts are not supported).")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0-20) as the one sampling
+    field ``logprobs`` (alternatives per token; absent: none computed). Completions send
+    that field as it is (``logprobs``: an integer)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise invalid("logprobs", "logprobs must be true or false.")
+    body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true.")
+    if wanted:
+        if top is not None:
+            try:
+                _ranged_int("top_logprobs", top, "logprobs")
+            except InvalidParameter as exc:
+                _refuse(exc)
+        body["logprobs"] = 0 if top is None else top
+    return body
+
+
+def _ranged_int(name: str, value: Any, field: str) -> int:
+    lo, hi = RANGES[field]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidParameter(name, f"{name} must be an integer from {lo} to {hi}.")
+    return value
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,10 @@ class CommonRequestSerializer(serializers.Serializer):
     timeout = TimeoutField(required=False, allow_null=True)
 
 
+_LOGPROBS_HELP = "log probabilities of the chosen tokens (from the model's logits, before "\
+    "sampling), with this many most likely alternatives each"
+
+
 @extend_schema_field({"oneOf": [
     {"type": "string"},
     {"type": "array", "items": {"type": "object", "required": ["type", "text"],
@@ -168,10 +172,14 @@ class ChatMessageSerializer(serializers.Serializer):
 
 class ChatCompletionRequestSerializer(CommonRequestSerializer):
     messages = ChatMessageSerializer(many=True)
+    logprobs = serializers.BooleanField(required=False, allow_null=True,
+                                        help_text="log probabilities of the chosen tokens")
+    top_logprobs = _ranged("logprobs", allow_null=True, help_text=_LOGPROBS_HELP)
 
 
 class CompletionRequestSerializer(CommonRequestSerializer):
     prompt = PromptField()
+    logprobs = _ranged("logprobs", allow_null=True, help_text=_LOGPROBS_HELP)
 
 
 class PromptTokensDetailsSerializer(serializers.Serializer):

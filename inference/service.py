@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import redis
 from django.conf import settings
@@ -339,7 +340,16 @@ async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: st
         await limits.free_slot_quietly(tenant_id, member)
 
 
-async def collect(submission: Submission) -> tuple[str, StreamEvent]:
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """A whole request's output, for a non-streaming reply."""
+
+    text: str
+    final: StreamEvent  # its terminal event
+    logprobs: list[dict[str, Any]]  # the wire's entries, one per token (when it asked)
+
+
+async def collect(submission: Submission) -> Collected:
     """All text of a request and its terminal event (for non-streaming replies)."""
     collected = await collect_events(submission.request_id, events(submission))
     if collected is None:  # pragma: no cover
@@ -348,18 +358,20 @@ async def collect(submission: Submission) -> tuple[str, StreamEvent]:
 
 
 async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent | None]
-                         ) -> tuple[str, StreamEvent] | None:
+                         ) -> Collected | None:
     """The text of ``stream_of`` and its terminal event, read while the request is held
     (``CancelIfAbandoned``); None when it ended without one."""
     parts: list[str] = []
+    logprobs: list[dict[str, Any]] = []
     async with CancelIfAbandoned(request_id), aclosing(stream_of) as stream:
         async for event in stream:
             if event is None:
                 continue
             if event.kind == protocol.TOKEN:
                 parts.append(event.data.get("text", ""))
+                logprobs += event.data.get("logprobs") or ()
             elif event.is_terminal:
-                return "".join(parts), event
+                return Collected("".join(parts), event, logprobs)
     return None
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
 import numpy as np
@@ -328,6 +330,19 @@ class LlamaEngine:
             row = (ctypes.c_float * self.n_vocab).from_address(address)
             view = self._logit_views[address] = np.ctypeslib.as_array(row)
         return view
+
+    def token_logprobs(self, batch_index: int, token: int, top: int) -> dict[str, Any]:
+        """The chosen token's log probability under the model (its raw logits at
+        ``batch_index``, before any sampling transform) and the ``top`` most likely tokens',
+        as the wire's logprobs entry: ``{"b": piece hex, "lp": ..., "top": [[hex, lp]...]}``.
+        Only for requests that ask (``SamplingParams.logprobs``)."""
+        chosen, alternatives = logprobs_of(self.logits_row(batch_index), token, top)
+        return {"b": self.logprob_piece(token).hex(), "lp": chosen,
+                "top": [[self.logprob_piece(t).hex(), lp] for t, lp in alternatives]}
+
+    def logprob_piece(self, token: int) -> bytes:
+        """A token's bytes as logprobs show it: its text, or a control token's name."""
+        return self.token_bytes(token) or self.token_text(token).encode("utf-8")
 
     def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
         """Drop a sequence's cells in [p0, p1); p1 = -1 means to the end."""
@@ -682,6 +697,27 @@ class LlamaSampler:
             if chain is not None:
                 lc.llama_sampler_free(chain)
                 setattr(self, name, None)
+
+
+def logprobs_of(row: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """log softmax of a logits row at ``token``, and the ``top`` largest entries' (token id,
+    log probability), most likely first (ties: lower id first)."""
+    peak = float(row.max())
+    total = float(np.exp(row - peak).sum(dtype=np.float64))
+    norm = peak + math.log(total)
+    chosen = _finite_logprob(float(row[token]) - norm)
+    if top <= 0:
+        return chosen, []
+    k = min(top, row.size)
+    idx = np.argpartition(row, row.size - k)[row.size - k:]
+    idx = idx[np.lexsort((idx, -row[idx]))]
+    return chosen, [(int(i), _finite_logprob(float(row[i]) - norm)) for i in idx]
+
+
+def _finite_logprob(value: float) -> float:
+    """JSON has no -Infinity: an impossible token's log probability reads -9999 (and a NaN
+    from a broken row the same), as other OpenAI-compatible servers write it."""
+    return value if math.isfinite(value) else -9999.0
 
 
 def _new_chain() -> object:

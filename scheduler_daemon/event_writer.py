@@ -146,6 +146,8 @@ class EventWriter:
         """Core listener: buffer only."""
         if isinstance(event, TokenEvent):
             data = {"text": event.text, "n_tokens": event.n_tokens, "ids": list(event.tokens)}
+            if event.logprobs:
+                data["logprobs"] = list(event.logprobs)
             item = Outgoing(event.request_id, protocol.TOKEN, data)
         else:
             item = Outgoing(event.request_id, *finished_payload(event))
@@ -355,11 +357,14 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
     for item in items:
         prev = last_token.get(item.request_id)
         if item.kind == protocol.TOKEN and prev is not None:
-            prev.data = {
+            merged = {
                 "text": prev.data["text"] + item.data["text"],
                 "n_tokens": prev.data["n_tokens"] + item.data["n_tokens"],
                 "ids": prev.data.get("ids", []) + item.data.get("ids", []),
             }
+            if "logprobs" in prev.data or "logprobs" in item.data:
+                merged["logprobs"] = prev.data.get("logprobs", []) + item.data.get("logprobs", [])
+            prev.data = merged
             continue
         out.append(item)
         if item.kind == protocol.TOKEN:

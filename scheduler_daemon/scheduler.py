@@ -684,7 +684,11 @@ class Scheduler:
         """Sample and take one request's next token; whatever fails here fails that
         request alone (its sampler, its grammar, its text decoding, its stop strings)."""
         try:
-            self._on_token(req, req.sampler.sample(batch_index), now)
+            token = req.sampler.sample(batch_index)
+            logprob = None
+            if req.params.logprobs is not None:  # only requests that ask pay for it
+                logprob = self.engine.token_logprobs(batch_index, token, req.params.logprobs)
+            self._on_token(req, token, now, logprob)
         except GrammarEnded:
             self._note_first_token(req, now)
             self._finish(req, Status.FINISHED_STOPPED)
@@ -737,16 +741,20 @@ class Scheduler:
             req.status = Status.GENERATING
             req.slot.state = SlotState.GENERATING
 
-    def _on_token(self, req: RequestState, token: int, now: float) -> None:
+    def _on_token(self, req: RequestState, token: int, now: float,
+                  logprob: dict[str, Any] | None = None) -> None:
         self._note_first_token(req, now)
         if not req.params.ignore_eos and self.engine.is_eog(token):
             self._finish(req, Status.FINISHED_STOPPED)
             return
         req.output.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         req.unsent_tokens += 1
         text = req.text.feed(self.engine.token_bytes(token))
         if text:
-            self._emit(TokenEvent(req.id, text, req.unsent_tokens, self._unsent(req)))
+            self._emit(TokenEvent(req.id, text, req.unsent_tokens, self._unsent(req),
+                                  self._unsent_logprobs(req)))
             req.unsent_tokens = 0
         if req.text.stopped_by is not None:
             self._finish(req, Status.FINISHED_STOPPED)
@@ -756,6 +764,12 @@ class Scheduler:
     @staticmethod
     def _unsent(req: RequestState) -> tuple[int, ...]:
         return tuple(req.output[len(req.output) - req.unsent_tokens:]) if req.unsent_tokens else ()
+
+    @staticmethod
+    def _unsent_logprobs(req: RequestState) -> tuple[dict[str, Any], ...]:
+        if not req.logprobs or not req.unsent_tokens:
+            return ()
+        return tuple(req.logprobs[-req.unsent_tokens:])
 
     def _finish(
         self, req: RequestState, status: Status, error: dict[str, Any] | None = None
@@ -770,7 +784,8 @@ class Scheduler:
             self._waiting.remove(req.cache_scope, req)
         tail = req.text.flush()
         if tail or req.unsent_tokens:
-            self._emit(TokenEvent(req.id, tail, req.unsent_tokens, self._unsent(req)))
+            self._emit(TokenEvent(req.id, tail, req.unsent_tokens, self._unsent(req),
+                                  self._unsent_logprobs(req)))
         req.sampler.close()
         del self._requests[req.id]
         stats = self._stats(req, now)

@@ -104,6 +104,7 @@ class RequestState:
     slot: Slot | None = None
     output: list[int] = field(default_factory=list)
     unsent_tokens: int = 0  # tokens generated since the last TokenEvent
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per output token, if asked
     cached_tokens: int = 0
     continued_tokens: int = 0  # the tail of ``prompt`` that is output of an earlier daemon
     passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
@@ -148,6 +149,7 @@ class TokenEvent:
     text: str
     n_tokens: int
     tokens: tuple[int, ...] = ()  # the ``n_tokens`` token ids (a continuation replays them)
+    logprobs: tuple[dict[str, Any], ...] = ()  # their logprobs entries, when the request asked
 
 
 @dataclass(slots=True, frozen=True)

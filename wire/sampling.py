@@ -39,6 +39,9 @@ class SamplingParams:
     max_tokens: int | None = None  # None: the scheduler's default
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # log probabilities of the chosen tokens, with this many most likely alternatives each
+    # (0: the chosen token's alone); None: none computed (the hot path pays nothing)
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -167,6 +170,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "penalty_last_n": (0, 8192),
     "seed": (0, 2**32 - 2),
     "max_tokens": (1, 1_000_000),
+    "logprobs": (0, 20),  # alternatives per token (OpenAI's top_logprobs: 0-20)
 }
 
 
