@@ -36,6 +36,7 @@ from inference import broker, db, service
 from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, key_for
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
+from inference.openai_format import chat_logprob
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from wire import protocol
 from wire.errors import INTERNAL_ERROR
@@ -387,7 +388,10 @@ def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, A
     if event.kind == protocol.ERROR:
         return {**head, **ApiError.from_event(data).body()}
     if event.kind == protocol.TOKEN:
-        return {**head, "text": data.get("text", ""), "n_tokens": data.get("n_tokens", 0)}
+        message = {**head, "text": data.get("text", ""), "n_tokens": data.get("n_tokens", 0)}
+        if data.get("logprobs"):  # a request that asked: its tokens' entries, chat's shape
+            message["logprobs"] = [chat_logprob(entry) for entry in data["logprobs"]]
+        return message
     if event.kind == protocol.DONE:
         done = {**head, "finish_reason": data.get("finish_reason"), "stop": data.get("stop"),
                 "usage": data.get("usage") or protocol.usage(0, 0, 0),

@@ -101,7 +101,7 @@ class Formatter:
         if not entries:
             return None
         if self.kind == CHAT:
-            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+            return {"content": [chat_logprob(e) for e in entries], "refusal": None}
         tokens, offsets = [], []
         for entry in entries:
             tokens.append(_piece(entry["b"])[0])
@@ -119,7 +119,7 @@ def _piece(hex_bytes: str) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def _chat_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+def chat_logprob(entry: dict[str, Any]) -> dict[str, Any]:
     token, raw = _piece(entry["b"])
     top = []
     for hex_bytes, logprob in entry["top"]:

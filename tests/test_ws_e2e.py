@@ -83,3 +83,20 @@ async def test_real_socket_with_header_auth_and_close_cancels(web, daemon):
     # the web published its cancel as the socket closed (the resume grace's cancel, the
     # daemon's, publishes none)
     assert redis_conn().exists(protocol.cancel_key(accepted["request_id"]))
+
+
+async def test_real_socket_token_messages_carry_logprobs_when_asked(web, daemon):
+    async with websockets.connect(web.ws_url) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": web.keys["owner"]}))
+        assert json.loads(await ws.recv())["type"] == "authenticated"
+        await ws.send(json.dumps({"type": "completions", "id": 1, "model": daemon.model,
+                                  "prompt": "The capital of France is", "temperature": 0,
+                                  "max_tokens": 6, "logprobs": 2}))
+        messages = []
+        while not messages or messages[-1]["type"] not in ("done", "error"):
+            messages.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+    tokens = [m for m in messages if m["type"] == "token"]
+    entries = [e for m in tokens for e in m["logprobs"]]
+    assert len(entries) == messages[-1]["usage"]["completion_tokens"] == 6
+    assert "".join(e["token"] for e in entries) == "".join(m["text"] for m in tokens)
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
