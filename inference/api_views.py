@@ -32,7 +32,15 @@ from inference.openai_format import (
     Formatter,
     sse_frame,
 )
-from inference.openai_request import CHAT, COMPLETION, load_json, parse_request
+from inference.openai_request import (
+    CHAT,
+    COMPLETION,
+    DETOKENIZE,
+    TOKENIZE,
+    load_json,
+    parse_request,
+    parse_vocab_request,
+)
 from inference.openapi import (
     IDEMPOTENCY_KEY,
     REQUEST_ID,
@@ -42,6 +50,10 @@ from inference.openapi import (
     ChatCompletionSerializer,
     CompletionRequestSerializer,
     CompletionSerializer,
+    DetokenizeRequestSerializer,
+    DetokenizeResponseSerializer,
+    TokenizeRequestSerializer,
+    TokenizeResponseSerializer,
     error_responses,
 )
 
@@ -111,6 +123,48 @@ class CompletionsView(CompletionView):
 
     @_completion_schema(COMPLETION)
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
+        return await super().post(request)
+
+
+class VocabularyView(APIView):
+    """POST a tokenize or detokenize request: answered by a daemon of the model, from its
+    own vocabulary (the web never loads a model), without a slot."""
+
+    kind: str
+
+    async def post(self, request: Request) -> JsonResponse:
+        parsed = parse_vocab_request(self.kind, _json_body(request))
+        submission = await service.submit(request.auth, parsed)
+        response = JsonResponse(service.vocab_answer(submission))
+        response["X-Request-Id"] = submission.request_id
+        return response
+
+
+class TokenizeView(VocabularyView):
+    """POST /v1/tokenize"""
+
+    kind = TOKENIZE
+
+    @extend_schema(operation_id="tokenize", summary="Text to the model's token ids",
+                   tags=["vocabulary"], request=TokenizeRequestSerializer,
+                   parameters=[REQUEST_ID, RETRY_AFTER],
+                   responses={200: TokenizeResponseSerializer,
+                              **error_responses(400, 401, 405, 429, 500, 503)})
+    async def post(self, request: Request) -> JsonResponse:
+        return await super().post(request)
+
+
+class DetokenizeView(VocabularyView):
+    """POST /v1/detokenize"""
+
+    kind = DETOKENIZE
+
+    @extend_schema(operation_id="detokenize", summary="The model's token ids to text",
+                   tags=["vocabulary"], request=DetokenizeRequestSerializer,
+                   parameters=[REQUEST_ID, RETRY_AFTER],
+                   responses={200: DetokenizeResponseSerializer,
+                              **error_responses(400, 401, 405, 429, 500, 503)})
+    async def post(self, request: Request) -> JsonResponse:
         return await super().post(request)
 
 

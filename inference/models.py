@@ -19,6 +19,8 @@ class InferenceRequest(models.Model):
     class Kind(models.TextChoices):
         COMPLETION = "completion", "Completion"
         CHAT = "chat", "Chat completion"
+        TOKENIZE = "tokenize", "Tokenize"
+        DETOKENIZE = "detokenize", "Detokenize"
 
     class Status(models.TextChoices):
         QUEUED = request_status.QUEUED, "Queued"

@@ -173,6 +173,48 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     return parsed
 
 
+TOKENIZE = protocol.TOKENIZE_KIND
+DETOKENIZE = protocol.DETOKENIZE_KIND
+_VOCAB_FIELDS = {
+    TOKENIZE: {"model", "content", "add_special", "with_pieces"},
+    DETOKENIZE: {"model", "tokens"},
+}
+
+
+def parse_vocab_request(kind: str, body: Any) -> ParsedRequest:
+    """A ``/v1/tokenize`` body (``content``, ``add_special`` false, ``with_pieces`` false)
+    or a ``/v1/detokenize`` one (``tokens``: ids), llama-server's shapes plus ``model``
+    (default: the first of MODELS); raise ApiError (400). The daemon checks the ids
+    against its vocabulary."""
+    if not isinstance(body, dict):
+        raise invalid(None, "The request body must be a JSON object.")
+    for name in body:
+        if name not in _VOCAB_FIELDS[kind]:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}",
+                          "unknown_parameter")
+    parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
+    if kind == TOKENIZE:
+        content = body.get("content")
+        if content is None:
+            raise invalid("content", "content is required.", "missing_required_parameter")
+        if not isinstance(content, str):
+            raise invalid("content", "content must be a string.")
+        _check_size("content", len(_text("content", content).encode("utf-8")))
+        parsed.prompt = content
+        parsed.params = {"add_special": _bool(body, "add_special", False),
+                         "with_pieces": _bool(body, "with_pieces", False)}
+    else:
+        tokens = body.get("tokens")
+        if tokens is None:
+            raise invalid("tokens", "tokens is required.", "missing_required_parameter")
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            raise invalid("tokens", "tokens must be a list of token ids (integers >= 0).")
+        if len(tokens) > protocol.MAX_DETOKENIZE_TOKENS:
+            raise invalid("tokens", f"at most {protocol.MAX_DETOKENIZE_TOKENS} tokens.")
+        parsed.prompt = tokens
+    return parsed
+
+
 def _timeout(value: Any) -> float | None:
     """Seconds > 0, capped by the server's REQUEST_TIMEOUT_S (None: the server's)."""
     if value is None:

@@ -18,6 +18,7 @@ from rest_framework import serializers
 
 from inference import idempotency
 from wire import errors as codes
+from wire import protocol
 from wire import sampling
 from wire.messages import ROLES
 
@@ -226,3 +227,43 @@ class ChatCompletionSerializer(ReplySerializer):
 
 class CompletionSerializer(ReplySerializer):
     choices = CompletionChoiceSerializer(many=True)
+
+
+# -- /v1/tokenize and /v1/detokenize (llama-server's shapes, plus ``model``) -------------------
+
+
+class TokenizeRequestSerializer(serializers.Serializer):
+    model = serializers.CharField(required=False, min_length=1,
+                                  help_text="default: the first of the server's MODELS")
+    content = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    add_special = serializers.BooleanField(required=False,
+                                           help_text="add the model's BOS (default false)")
+    with_pieces = serializers.BooleanField(
+        required=False, help_text='each token as {"id", "piece"}: the piece a string, or its '
+        'bytes when they are not UTF-8 alone')
+
+
+@extend_schema_field({"type": "array", "items": {"oneOf": [
+    {"type": "integer"},
+    {"type": "object", "properties": {"id": {"type": "integer"},
+                                      "piece": {"oneOf": [{"type": "string"},
+                                                          {"type": "array",
+                                                           "items": {"type": "integer"}}]}}},
+]}})
+class TokensField(serializers.JSONField):
+    pass
+
+
+class TokenizeResponseSerializer(serializers.Serializer):
+    tokens = TokensField()
+
+
+class DetokenizeRequestSerializer(serializers.Serializer):
+    model = serializers.CharField(required=False, min_length=1,
+                                  help_text="default: the first of the server's MODELS")
+    tokens = serializers.ListField(child=serializers.IntegerField(min_value=0),
+                                   max_length=protocol.MAX_DETOKENIZE_TOKENS)
+
+
+class DetokenizeResponseSerializer(serializers.Serializer):
+    content = serializers.CharField()

@@ -148,7 +148,9 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
     anything is stored or queued), then create the history row. One trip to the database
     thread for both. Redis away: 503, and no row."""
-    reserve = limits.reservation(parsed.prompt, parsed.messages, parsed.params.get("max_tokens"))
+    # a vocabulary request generates nothing (its reservation: the prompt's bound alone)
+    completion = 0 if parsed.kind in protocol.VOCAB_KINDS else parsed.params.get("max_tokens")
+    reserve = limits.reservation(parsed.prompt, parsed.messages, completion)
     try:
         limits.admit_key_sync(api_key, request_id, reserve=reserve)
     except redis.RedisError as exc:
@@ -204,6 +206,19 @@ async def _wait_first_read(request_id: str, model: str,
             await broker.publish_cancel(request_id)  # a daemon that comes later must not run it
             await close_row(request_id, protocol.SCHEDULER_UNAVAILABLE)
             raise unavailable(model)
+
+
+def vocab_answer(submission: Submission) -> dict[str, Any]:
+    """A tokenize/detokenize request's answer: its one ``done`` event's ``result``. A
+    request cancelled before it ran (or any end without a result) is an ApiError."""
+    first = submission.first
+    metrics.observe_end(first.data, first.kind)
+    result = first.data.get("result") if first.kind == protocol.DONE else None
+    if not isinstance(result, dict):
+        reason = first.data.get("finish_reason")
+        raise ApiError(errors.INTERNAL_ERROR, f"The request ended without an answer "
+                       f"(finish_reason {reason!r}).")
+    return result
 
 
 async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wire import errors
+from wire import errors, protocol
 from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
@@ -298,6 +298,36 @@ class InferenceCore:
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
+    def vocabulary_answer(self, kind: str, prompt: Any, options: Any) -> dict[str, Any]:
+        """A tokenize or detokenize job's answer, from the model's vocabulary alone (no slot,
+        no decode: the preparer thread answers it). ``InvalidParameter`` names a field whose
+        wire shape is wrong or whose ids the vocabulary does not hold."""
+        options = options if isinstance(options, dict) else {}
+        if kind == protocol.TOKENIZE_KIND:
+            if not isinstance(prompt, str):
+                raise InvalidParameter("content", "must be a string")
+            add_special, with_pieces = options.get("add_special"), options.get("with_pieces")
+            if not isinstance(add_special, bool) or not isinstance(with_pieces, bool):
+                raise InvalidParameter("add_special", "add_special and with_pieces must be "
+                                       "true or false")
+            self._check_size(_utf8_len(prompt, "content"), "content")
+            try:
+                tokens = self.engine.tokenize(prompt, add_special=add_special) if prompt else []
+            except UnicodeEncodeError:
+                raise InvalidParameter("content", "is not valid UTF-8 text") from None
+            if not with_pieces:
+                return {"tokens": tokens}
+            return {"tokens": [{"id": t, "piece": _piece(self.engine.token_bytes(t))}
+                               for t in tokens]}
+        if not isinstance(prompt, list) or len(prompt) > protocol.MAX_DETOKENIZE_TOKENS:
+            raise InvalidParameter("tokens", f"must be a list of at most "
+                                   f"{protocol.MAX_DETOKENIZE_TOKENS} token ids")
+        if not all(type(t) is int and 0 <= t < self.engine.n_vocab for t in prompt):
+            raise InvalidParameter("tokens", f"token ids must be within the vocabulary "
+                                   f"(0 to {self.engine.n_vocab - 1})")
+        raw = b"".join(self.engine.token_bytes(t) for t in prompt)
+        return {"content": raw.decode("utf-8", errors="replace")}
+
     def _check_size(self, n_bytes: int, field: str) -> None:
         if n_bytes > self.max_prompt_bytes:  # the web's refusal, the same way
             raise Refusal(
@@ -341,6 +371,15 @@ class InferenceCore:
             handle._events.put(event)
         for listener in self.listeners:
             listener(event)
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's piece as llama-server's ``with_pieces`` gives it: its text, or its bytes
+    when they are not UTF-8 on their own (a part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 def _utf8_len(text: str, field: str) -> int:

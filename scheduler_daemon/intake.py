@@ -271,6 +271,9 @@ class Intake:
         if quarantined:
             self.refuse(job.id, entry_id, quarantined_refusal())
             return
+        if job.kind in protocol.VOCAB_KINDS:
+            self._answer_vocabulary(job, entry_id)
+            return
         self.writer.hold(job.id)
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
             self.core.abort_process_when_running(job.id)  # test-only: before its first tick
@@ -293,6 +296,18 @@ class Intake:
                 self.core.cancel(job.id)
         except redis.RedisError:
             log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def _answer_vocabulary(self, job: protocol.Job, entry_id: str) -> None:
+        """A tokenize/detokenize job: answered here, on the preparer thread, from the
+        vocabulary (no slot, no decode), as one ``done`` event holding the ``result``."""
+        try:
+            result = self.core.vocabulary_answer(job.kind, job.prompt, job.params)
+        except Refusal as refusal:
+            self.refuse(job.id, entry_id, refusal)
+            return
+        done = {"finish_reason": "stop", "stop": None, "usage": protocol.usage(0, 0, 0),
+                "timings": {}, "result": result}
+        self.writer.terminal(job.id, entry_id, protocol.DONE, done)
 
     def _while_redis_away(self, call: Callable[[], Any]) -> Any:
         """``call()``, tried again while Redis is away (a restart): the job waits for Redis

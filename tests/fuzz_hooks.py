@@ -9,6 +9,8 @@ Set by the test through the environment:
   default model, the first of ``MODELS``, which no daemon here serves), at 503 ``scheduler_unavailable``.
   An empty or non-printable model (NUL, a surrogate) is left as generated: the web must
   refuse it. ``GET /v1/models/{model}`` asks for it every other time.
+- A tokenize/detokenize body's ``model`` becomes it the same way: its content and token
+  ids (out of the vocabulary, huge, negative) meet the live daemon.
 - Every other completion body loses its ``grammar``, ``json_schema``, ``response_format``
   and ``logit_bias`` (random ones are refused; the other half still sends them).
 - ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` above it, up to the
@@ -39,6 +41,7 @@ MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "8"))
 N_CTX = int(os.environ.get("N_CTX", "2048"))
 LOG = os.environ.get("FUZZ_LOG")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+VOCABULARY = ("/v1/tokenize", "/v1/detokenize")
 MIN_TIMEOUT_S = 120
 CONSTRAINTS = ("grammar", "json_schema", "response_format", "logit_bias")
 _seen_ids: list[str] = []
@@ -66,6 +69,10 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
             # a valid timeout this short ends in 504 ``timeout`` on a busy machine: the
             # answer the client asked for, not a server fault (docs/api.md, Deadlines)
             body["timeout"] = MIN_TIMEOUT_S
+    if path in VOCABULARY and isinstance(body, dict) and MODEL:
+        model = body.get("model")  # hostile content and token ids reach the daemon
+        if model is None or (isinstance(model, str) and model.isprintable() and _is_text(model)):
+            body["model"] = MODEL
     params = case.path_parameters
     if path == "/v1/models/{model}" and isinstance(params, dict) and MODEL and _turn(path):
         params["model"] = MODEL

@@ -64,6 +64,14 @@ DONE = "done"
 ERROR = "error"
 TERMINAL = frozenset({DONE, ERROR})
 
+# Job kinds. The vocabulary ones are answered by the daemon's preparer without a slot: one
+# ``done`` event whose data holds the answer (``tokens`` / ``content``).
+COMPLETION_KIND, CHAT_KIND = "completion", "chat"
+TOKENIZE_KIND, DETOKENIZE_KIND = "tokenize", "detokenize"
+VOCAB_KINDS = frozenset({TOKENIZE_KIND, DETOKENIZE_KIND})
+# The most token ids one detokenize job may carry (the web and the daemon both check).
+MAX_DETOKENIZE_TOKENS = 65_536
+
 # Error codes live in wire/errors.py (each with its HTTP status and OpenAI type).
 
 
@@ -176,7 +184,7 @@ class Job:
     """A request as queued for a daemon. ``cache_scope`` is set by the web from the tenant."""
 
     id: str
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "tokenize" | "detokenize"
     model: str
     tenant_id: str
     cache_scope: str
