@@ -93,7 +93,7 @@ class CompletionView(APIView):
             submission = await idempotency.submit(request.auth, parsed, key,
                                                   idempotency.body_digest(self.kind, body))
         formatter = Formatter(self.kind, submission.request_id, submission.model,
-                              submission.created, parsed.include_usage)
+                              submission.created, parsed.include_usage, parsed.tool_plan)
         replay = submission if isinstance(submission, idempotency.Replay) else None
         if parsed.stream:
             return _sse_response(formatter, replay.events() if replay else

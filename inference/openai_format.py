@@ -8,6 +8,7 @@ from typing import Any
 from inference.broker import StreamEvent
 from inference.errors import ApiError
 from inference.openai_request import CHAT
+from inference.tools import ToolPlan, read_reply
 from wire import protocol
 from wire.errors import TIMEOUT
 
@@ -25,8 +26,11 @@ class Formatter:
     model: str
     created: int
     include_usage: bool = False
+    tools: ToolPlan | None = None  # a chat with tools: its output is read as a call
     # completions' text_offset runs on across a stream's chunks
     _offset: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    # a tools reply's text, held until its end (a call is sent whole)
+    _held: list[str] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def id(self) -> str:
@@ -44,7 +48,14 @@ class Formatter:
             raise error
         reason = final.data.get("finish_reason")
         if self.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, calls = read_reply(text, self.tools.mode)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": 0, "message": message,
                       "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason,
@@ -57,16 +68,29 @@ class Formatter:
             return [self._chunk({"role": "assistant", "content": ""})] if self.kind == CHAT else []
         if event.kind == protocol.TOKEN:
             text = event.data.get("text", "")
+            if self.tools is not None:  # the call goes out whole, at the end
+                self._held.append(text)
+                text = ""
             logprobs = self._logprobs(event.data.get("logprobs"))
             if not text and logprobs is None:
                 return []
             return [self._chunk({"content": text} if self.kind == CHAT else text,
                                 logprobs=logprobs)]
         if event.kind == protocol.DONE:
-            last = self._chunk({} if self.kind == CHAT else "", event.data.get("finish_reason"))
-            if not self.include_usage:
-                return [last]
-            return [last, {**self._head(), "choices": [], "usage": usage_of(event)}]
+            reason = event.data.get("finish_reason")
+            out = []
+            if self.tools is not None:
+                content, calls = read_reply("".join(self._held), self.tools.mode)
+                if calls:
+                    out.append(self._chunk({"tool_calls": [{"index": i, **call}
+                                                           for i, call in enumerate(calls)]}))
+                    reason = "tool_calls" if reason == "stop" else reason
+                elif content:
+                    out.append(self._chunk({"content": content}))
+            out.append(self._chunk({} if self.kind == CHAT else "", reason))
+            if self.include_usage:
+                out.append({**self._head(), "choices": [], "usage": usage_of(event)})
+            return out
         if event.kind == protocol.ERROR:
             return [ApiError.from_event(event.data).body()]
         return []

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from django.conf import settings
 
+from inference import tools
 from inference.errors import ApiError, invalid
 from wire import protocol
 from wire.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameter
@@ -56,11 +57,8 @@ def _falsy(value: Any) -> bool:
 
 # OpenAI fields we do not implement but accept while they ask for nothing we would ignore.
 _HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _none_or([]),
-    "tool_choice": _none_or("none", "auto"),
     "functions": _none_or([]),
     "function_call": _none_or("none", "auto"),
-    "parallel_tool_calls": _anything,
     "modalities": _none_or(["text"]),
     "store": _anything,
     "metadata": _anything,
@@ -74,7 +72,8 @@ _HARMLESS_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _none_or(""),
 }
 _KNOWN = {
-    CHAT: (_COMMON | {"messages", "top_logprobs"}, _HARMLESS_CHAT),
+    CHAT: (_COMMON | {"messages", "top_logprobs", "tools", "tool_choice",
+                      "parallel_tool_calls"}, _HARMLESS_CHAT),
     COMPLETION: (_COMMON | {"prompt"}, _HARMLESS_COMPLETION),
 }
 
@@ -93,6 +92,7 @@ class ParsedRequest:
     session: str = ""
     cache_prompt: bool | None = None
     timeout_s: float | None = None  # the client's ``timeout``, at most REQUEST_TIMEOUT_S
+    tool_plan: tools.ToolPlan | None = None  # a chat with tools: how its reply is read
     request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
 
@@ -166,9 +166,20 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     parsed.cache_prompt = None if cache_prompt is None else _bool(body, "cache_prompt", True)
     if kind == CHAT:
         parsed.messages = _messages(body.get("messages"))
+        parsed.tool_plan = _tool_plan(body)
     else:
         parsed.prompt = _prompt(body.get("prompt"))
     parsed.params = _sampling(_chat_logprobs(body) if kind == CHAT else body)
+    if parsed.tool_plan is not None:
+        if any(name in parsed.params for name in ("grammar", "json_schema")):
+            name = next(n for n in ("grammar", "json_schema", "response_format")
+                        if body.get(n) is not None)
+            raise invalid(name, f"{name} cannot be combined with tools (the tool call has a "
+                                "grammar of its own); send tool_choice \"none\" to use it.")
+        parsed.messages = tools.with_tools(parsed.messages, parsed.tool_plan)
+        _check_size("messages", sum(len(m["content"].encode("utf-8")) for m in parsed.messages))
+        # the grammar every reply follows (bounds checked by tools.plan, compiled by the daemon)
+        parsed.params["json_schema"] = parsed.tool_plan.schema
     parsed.timeout_s = _timeout(body.get("timeout"))
     return parsed
 
@@ -337,6 +348,13 @@ def _prompt(value: Any) -> str | list[int]:
         return value
     raise invalid("prompt", "prompt must be a string or a list of token ids "
                             "(batches of several prompts are not supported).")
+
+
+def _tool_plan(body: dict[str, Any]) -> tools.ToolPlan | None:
+    try:
+        return tools.plan(body)
+    except InvalidParameter as exc:
+        _refuse(exc)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:

@@ -171,11 +171,40 @@ class ChatMessageSerializer(serializers.Serializer):
     content = ContentField()
 
 
+class FunctionSerializer(serializers.Serializer):
+    name = serializers.RegexField(r"^[A-Za-z0-9_-]{1,64}$")
+    description = serializers.CharField(required=False, max_length=4096)
+    parameters = serializers.DictField(required=False, help_text='a JSON schema of "type": '
+                                       '"object"')
+
+
+class ToolSerializer(serializers.Serializer):
+    type = serializers.ChoiceField(["function"])
+    function = FunctionSerializer()
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string", "enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"],
+                                 "properties": {"name": {"type": "string"}}}}},
+], "description": "default auto when tools are given; a named function or required forces a "
+                  "call (its arguments follow the function's schema)"})
+class ToolChoiceField(serializers.JSONField):
+    pass
+
+
 class ChatCompletionRequestSerializer(CommonRequestSerializer):
     messages = ChatMessageSerializer(many=True)
     logprobs = serializers.BooleanField(required=False, allow_null=True,
                                         help_text="log probabilities of the chosen tokens")
     top_logprobs = _ranged("logprobs", allow_null=True, help_text=_LOGPROBS_HELP)
+    tools = ToolSerializer(many=True, required=False, allow_null=True,
+                           help_text="functions the model may call (docs/api.md, Tools)")
+    tool_choice = ToolChoiceField(required=False, allow_null=True)
+    parallel_tool_calls = serializers.BooleanField(
+        required=False, allow_null=True, help_text="accepted; a turn has one call at most")
 
 
 class CompletionRequestSerializer(CommonRequestSerializer):
@@ -196,7 +225,10 @@ class TokenUsageSerializer(serializers.Serializer):
 
 class AssistantMessageSerializer(serializers.Serializer):
     role = serializers.CharField()
-    content = serializers.CharField()
+    content = serializers.CharField(allow_null=True)
+    tool_calls = serializers.JSONField(required=False,
+                                       help_text='[{"id", "type": "function", "function": '
+                                       '{"name", "arguments"}}]')
 
 
 class ChatChoiceSerializer(serializers.Serializer):
