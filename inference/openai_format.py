@@ -65,7 +65,10 @@ class Formatter:
     def chunks(self, event: StreamEvent) -> list[dict[str, Any]]:
         """The stream chunks one event becomes (possibly none)."""
         if event.kind == protocol.ACCEPTED:
-            return [self._chunk({"role": "assistant", "content": ""})] if self.kind == CHAT else []
+            if self.kind == CHAT:
+                return [self._chunk({"role": "assistant", "content": ""})]
+            echo = event.data.get("echo")  # a completion that asked for its prompt back
+            return [self._chunk(echo)] if echo else []
         if event.kind == protocol.TOKEN:
             text = event.data.get("text", "")
             if self.tools is not None:  # the call goes out whole, at the end

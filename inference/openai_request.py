@@ -67,14 +67,13 @@ _HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": _anything,
 }
 _HARMLESS_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    "echo": _none_or(False),
     "best_of": _none_or(1),
     "suffix": _none_or(""),
 }
 _KNOWN = {
     CHAT: (_COMMON | {"messages", "top_logprobs", "tools", "tool_choice",
                       "parallel_tool_calls"}, _HARMLESS_CHAT),
-    COMPLETION: (_COMMON | {"prompt"}, _HARMLESS_COMPLETION),
+    COMPLETION: (_COMMON | {"prompt", "echo"}, _HARMLESS_COMPLETION),
 }
 
 
@@ -95,6 +94,7 @@ class ParsedRequest:
     tool_plan: tools.ToolPlan | None = None  # a chat with tools: how its reply is read
     request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
+    echo: bool = False  # a completion's prompt text first in its reply
 
     def job(self, request_id: str, tenant_id: str,
             max_queued: int | None = None) -> protocol.Job:
@@ -109,6 +109,7 @@ class ParsedRequest:
             deadline=time.time() + (self.timeout_s or settings.REQUEST_TIMEOUT_S),
             retention_s=self.retention_s or int(settings.STREAM_RETENTION_S),
             watched=settings.RESUME_GRACE_S > 0,  # readers keep its watch key (inference/watch.py)
+            echo=self.echo,
         )
 
 
@@ -169,7 +170,11 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         parsed.tool_plan = _tool_plan(body)
     else:
         parsed.prompt = _prompt(body.get("prompt"))
+        parsed.echo = _bool(body, "echo", False)
     parsed.params = _sampling(_chat_logprobs(body) if kind == CHAT else body)
+    if parsed.echo and parsed.params.get("logprobs") is not None:
+        raise invalid("echo", "echo with logprobs is not built here (it needs the prompt's "
+                              "own logprobs); send one of them.", "unsupported_parameter")
     if parsed.tool_plan is not None:
         if any(name in parsed.params for name in ("grammar", "json_schema")):
             name = next(n for n in ("grammar", "json_schema", "response_format")

@@ -385,6 +385,8 @@ async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent |
             if event.kind == protocol.TOKEN:
                 parts.append(event.data.get("text", ""))
                 logprobs += event.data.get("logprobs") or ()
+            elif event.kind == protocol.ACCEPTED and event.data.get("echo"):
+                parts.insert(0, event.data["echo"])  # a continuation's accepted has none
             elif event.is_terminal:
                 return Collected("".join(parts), event, logprobs)
     return None

@@ -298,6 +298,14 @@ class InferenceCore:
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
+    def prompt_text(self, prompt: str | list[int] | None) -> str:
+        """A completion's prompt as text (``echo``): the string, or its token ids' pieces
+        (control tokens render as nothing)."""
+        if isinstance(prompt, str):
+            return prompt
+        raw = b"".join(self.engine.token_bytes(t) for t in prompt or ())
+        return raw.decode("utf-8", errors="replace")
+
     def vocabulary_answer(self, kind: str, prompt: Any, options: Any) -> dict[str, Any]:
         """A tokenize or detokenize job's answer, from the model's vocabulary alone (no slot,
         no decode: the preparer thread answers it). ``InvalidParameter`` names a field whose

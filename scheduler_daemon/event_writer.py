@@ -112,13 +112,17 @@ class EventWriter:
         with self._cond:
             self._buffer.held.pop(request_id, None)
 
-    def accepted(self, request_id: str, entry_id: str, prompt_tokens: int) -> None:
+    def accepted(self, request_id: str, entry_id: str, prompt_tokens: int,
+                 echo: str | None = None) -> None:
         """Queue ``accepted``, then the events held since ``hold``; the job's entry is
         acknowledged with its terminal event. A continued request's ``accepted`` says
-        ``resumed`` (the web follows the new daemon and sends the client nothing for it)."""
+        ``resumed`` (the web follows the new daemon and sends the client nothing for it).
+        ``echo``: the prompt's text, for a completion that asked for it back."""
         data: dict[str, Any] = {
             "daemon_id": self.daemon_id, "prompt_tokens": prompt_tokens, "model": self.model,
         }
+        if echo is not None and request_id not in self._resumed:  # the client has it once
+            data["echo"] = echo
         if request_id in self._resumed:
             data["resumed"] = self._resumed[request_id]
         with self._cond:

@@ -288,7 +288,8 @@ class Intake:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
             return
-        self.writer.accepted(job.id, entry_id, prompt_tokens)
+        echo = self.core.prompt_text(job.prompt) if job.echo and job.kind == "completion" else None
+        self.writer.accepted(job.id, entry_id, prompt_tokens, echo)
         for listener in self.started:
             listener(job)
         try:

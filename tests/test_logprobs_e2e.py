@@ -91,3 +91,43 @@ def test_completion_logprobs_past_20_is_refused(web, daemon):
         client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
                                        logprobs=21)
     assert caught.value.body["param"] == "logprobs"
+
+
+def test_echo_puts_the_prompt_first_whole_and_streamed(web, daemon):
+    api = client(web)
+    prompt = "The capital of France is"
+    whole = api.completions.create(model=daemon.model, prompt=prompt, temperature=0,
+                                   max_tokens=4, echo=True)
+    assert whole.choices[0].text.startswith(prompt) and len(whole.choices[0].text) > len(prompt)
+    assert whole.usage.completion_tokens == 4
+    chunks = [c.choices[0].text for c in api.completions.create(
+        model=daemon.model, prompt=prompt, temperature=0, max_tokens=4, echo=True, stream=True)
+        if c.choices]
+    assert chunks[0] == prompt and "".join(chunks).startswith(prompt)
+
+
+def test_echo_of_token_ids_is_their_text(web, daemon):
+    import json
+    import urllib.request
+
+    def tokenize(text):
+        request = urllib.request.Request(
+            f"{web.base_url}/v1/tokenize", method="POST",
+            data=json.dumps({"model": daemon.model, "content": text}).encode(),
+            headers={"Authorization": f"Bearer {web.keys['owner']}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["tokens"]
+
+    ids = tokenize("Once upon a time")
+    reply = client(web).completions.create(model=daemon.model, prompt=ids, temperature=0,
+                                           max_tokens=2, echo=True)
+    assert reply.choices[0].text.startswith("Once upon a time")
+
+
+def test_echo_with_logprobs_and_best_of_are_clear_400s(web, daemon):
+    for extra, param in (({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 2}, "best_of"),
+                         ({"echo": "yes"}, "echo")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
+                                           extra_body=extra)
+        assert caught.value.body["param"] == param

@@ -198,6 +198,7 @@ class Job:
     deadline: float | None = None  # unix seconds: the daemon ends it with ``timeout`` after
     watched: bool = False  # the web keeps ``watch_key`` alive while a reader follows it
     retention_s: int | None = None  # its events stream's retention (None: STREAM_RETENTION_S)
+    echo: bool = False  # a completion's prompt text comes back first (its ``accepted`` event)
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""
