@@ -241,6 +241,9 @@ PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 1.0)
 # A stream's later tokens are written to Redis at most this often (several per event); its
 # first token and its end go at once. 0: every tick. See docs/daemon.md.
 STREAM_INTERVAL_MS = env_int("STREAM_INTERVAL_MS", 50)
+# The daemon serves /v1/embeddings for its model (a second llama.cpp context, made at the
+# first embeddings request: mean pooling, normalized; docs/api.md).
+EMBEDDINGS = env_bool("EMBEDDINGS", True)
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 LOGGING = {

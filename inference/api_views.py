@@ -30,6 +30,7 @@ from inference.openai_format import (
     KEEPALIVE_FRAME,
     OPEN_FRAME,
     Formatter,
+    embeddings_body,
     sse_frame,
 )
 from inference.openai_request import (
@@ -38,6 +39,7 @@ from inference.openai_request import (
     DETOKENIZE,
     TOKENIZE,
     load_json,
+    parse_embeddings_request,
     parse_request,
     parse_vocab_request,
 )
@@ -52,6 +54,8 @@ from inference.openapi import (
     CompletionSerializer,
     DetokenizeRequestSerializer,
     DetokenizeResponseSerializer,
+    EmbeddingsRequestSerializer,
+    EmbeddingsResponseSerializer,
     TokenizeRequestSerializer,
     TokenizeResponseSerializer,
     error_responses,
@@ -136,6 +140,25 @@ class VocabularyView(APIView):
         parsed = parse_vocab_request(self.kind, _json_body(request))
         submission = await service.submit(request.auth, parsed)
         response = JsonResponse(service.vocab_answer(submission))
+        response["X-Request-Id"] = submission.request_id
+        return response
+
+
+class EmbeddingsView(APIView):
+    """POST /v1/embeddings: computed by a daemon of the model, in its loop (never here)."""
+
+    @extend_schema(operation_id="embeddings", summary="Embeddings of texts or token ids",
+                   tags=["embeddings"], request=EmbeddingsRequestSerializer,
+                   parameters=[REQUEST_ID, RETRY_AFTER],
+                   responses={200: EmbeddingsResponseSerializer,
+                              **error_responses(400, 401, 405, 429, 500, 503)})
+    async def post(self, request: Request) -> JsonResponse:
+        parsed, encoding = parse_embeddings_request(_json_body(request))
+        submission = await service.submit(request.auth, parsed)
+        result = service.vocab_answer(submission)
+        usage = submission.first.data.get("usage") or {}
+        response = JsonResponse(embeddings_body(submission.model, result["vectors"], encoding,
+                                                int(usage.get("prompt_tokens") or 0)))
         response["X-Request-Id"] = submission.request_id
         return response
 

@@ -50,14 +50,18 @@ def model_list() -> list[dict[str, Any]]:
     """OpenAI ``model`` objects for the models live daemons serve (earliest start wins), in
     the order of ``MODELS``, then any other by name."""
     started: dict[str, float] = {}
+    embeds: set[str] = set()
     for snapshot in broker.live_daemons_sync():
         name = snapshot.get("model")
         if name:
             at = float(snapshot.get("started_at") or time.time())
             started[name] = min(at, started.get(name, at))
+            if snapshot.get("embeddings"):
+                embeds.add(name)
     order = {name: i for i, name in enumerate(settings.MODELS)}  # the default model first
     return [
-        {"id": name, "object": "model", "created": int(at), "owned_by": OWNER}
+        {"id": name, "object": "model", "created": int(at), "owned_by": OWNER,
+         "embeddings": name in embeds}
         for name, at in sorted(started.items(), key=lambda item: (
             order.get(item[0], len(order)), item[0]))
     ]

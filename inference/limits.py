@@ -84,8 +84,9 @@ def reservation(prompt: str | list[int] | None, messages: list[dict[str, str]] |
         for message in messages:
             estimate += TEMPLATE_TOKENS_PER_MESSAGE + _utf8_len(message.get("role", ""))
             estimate += _utf8_len(message.get("content", ""))
-    elif isinstance(prompt, list):
-        estimate += len(prompt)
+    elif isinstance(prompt, list):  # token ids; or an embeddings request's inputs
+        estimate += sum(_utf8_len(p) if isinstance(p, str) else len(p) if isinstance(p, list)
+                        else 1 for p in prompt)
     elif prompt is not None:
         estimate += _utf8_len(prompt)
     completion = max_tokens if max_tokens is not None else settings.DEFAULT_MAX_TOKENS

@@ -21,6 +21,7 @@ class InferenceRequest(models.Model):
         CHAT = "chat", "Chat completion"
         TOKENIZE = "tokenize", "Tokenize"
         DETOKENIZE = "detokenize", "Detokenize"
+        EMBEDDING = "embedding", "Embeddings"
 
     class Status(models.TextChoices):
         QUEUED = request_status.QUEUED, "Queued"

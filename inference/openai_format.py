@@ -1,7 +1,10 @@
 """Protocol events as OpenAI response bodies, stream chunks and SSE frames."""
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +156,24 @@ def chat_logprob(entry: dict[str, Any]) -> dict[str, Any]:
         text, alt_raw = _piece(hex_bytes)
         top.append({"token": text, "logprob": logprob, "bytes": alt_raw})
     return {"token": token, "logprob": entry["lp"], "bytes": raw, "top_logprobs": top}
+
+
+def embeddings_body(model: str, vectors: list[str], encoding: str,
+                    prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings list from the daemon's vectors (base64 of little-endian float32):
+    as floats, or as that base64 (``encoding_format: "base64"``, what the SDK decodes)."""
+    data = []
+    for i, vector in enumerate(vectors):
+        if encoding == "base64":
+            embedding: Any = vector
+        else:
+            values = array.array("f", base64.b64decode(vector))
+            if sys.byteorder == "big":
+                values.byteswap()
+            embedding = values.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def usage_of(event: StreamEvent) -> dict[str, Any]:

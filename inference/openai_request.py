@@ -231,6 +231,53 @@ def parse_vocab_request(kind: str, body: Any) -> ParsedRequest:
     return parsed
 
 
+EMBEDDING = protocol.EMBEDDING_KIND
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
+
+
+def parse_embeddings_request(body: Any) -> tuple[ParsedRequest, str]:
+    """A ``/v1/embeddings`` body: ``input`` a string, a list of strings, a list of token
+    ids or a list of such lists (at most MAX_EMBEDDING_INPUTS, none empty, their text at
+    most MAX_PROMPT_BYTES); ``encoding_format`` ``float`` (default) or ``base64``. Returns
+    the request (its ``prompt``: the list of inputs) and the encoding. ApiError 400."""
+    if not isinstance(body, dict):
+        raise invalid(None, "The request body must be a JSON object.")
+    for name in body:
+        if name not in _EMBEDDING_FIELDS:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}",
+                          "unknown_parameter")
+    if body.get("dimensions") is not None:
+        raise invalid("dimensions", "dimensions is not supported: vectors have the model's "
+                                    "size.", "unsupported_parameter")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise invalid("encoding_format", 'encoding_format must be "float" or "base64".')
+    parsed = ParsedRequest(kind=EMBEDDING, model=_model(body.get("model")))
+    parsed.session = _session(body)
+    value = body.get("input")
+    if value is None:
+        raise invalid("input", "input is required.", "missing_required_parameter")
+    if isinstance(value, str) or (isinstance(value, list) and value
+                                  and all(type(t) is int for t in value)):
+        value = [value]  # one input: a string or one list of token ids
+    if not isinstance(value, list) or not 0 < len(value) <= protocol.MAX_EMBEDDING_INPUTS:
+        raise invalid("input", f"input must be a string or a list of 1 to "
+                               f"{protocol.MAX_EMBEDDING_INPUTS} inputs.")
+    size = 0
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(where, f"{where} must not be empty.")
+            size += len(_text(where, item).encode("utf-8"))
+        elif not (isinstance(item, list) and item
+                  and all(type(t) is int and t >= 0 for t in item)):
+            raise invalid(where, f"{where} must be a non-empty string or list of token ids.")
+    _check_size("input", size)
+    parsed.prompt = value
+    return parsed, encoding
+
+
 def _timeout(value: Any) -> float | None:
     """Seconds > 0, capped by the server's REQUEST_TIMEOUT_S (None: the server's)."""
     if value is None:

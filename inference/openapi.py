@@ -299,3 +299,51 @@ class DetokenizeRequestSerializer(serializers.Serializer):
 
 class DetokenizeResponseSerializer(serializers.Serializer):
     content = serializers.CharField()
+
+
+# -- /v1/embeddings -----------------------------------------------------------------------------
+
+
+@extend_schema_field({"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+     "maxItems": protocol.MAX_EMBEDDING_INPUTS},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                "minItems": 1},
+     "minItems": 1, "maxItems": protocol.MAX_EMBEDDING_INPUTS},
+], "description": "a text, texts, token ids, or lists of token ids"})
+class EmbeddingInputField(serializers.JSONField):
+    pass
+
+
+class EmbeddingsRequestSerializer(serializers.Serializer):
+    model = serializers.CharField(required=False, min_length=1,
+                                  help_text="default: the first of the server's MODELS")
+    input = EmbeddingInputField()
+    encoding_format = serializers.ChoiceField(["float", "base64"], required=False)
+    user = serializers.CharField(required=False)
+
+
+@extend_schema_field({"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                {"type": "string", "description": "base64 of float32"}]})
+class EmbeddingField(serializers.JSONField):
+    pass
+
+
+class EmbeddingSerializer(serializers.Serializer):
+    object = serializers.CharField()
+    index = serializers.IntegerField()
+    embedding = EmbeddingField()
+
+
+class EmbeddingsUsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+
+
+class EmbeddingsResponseSerializer(serializers.Serializer):
+    object = serializers.CharField()
+    data = EmbeddingSerializer(many=True)
+    model = serializers.CharField()
+    usage = EmbeddingsUsageSerializer()

@@ -149,7 +149,8 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     anything is stored or queued), then create the history row. One trip to the database
     thread for both. Redis away: 503, and no row."""
     # a vocabulary request generates nothing (its reservation: the prompt's bound alone)
-    completion = 0 if parsed.kind in protocol.VOCAB_KINDS else parsed.params.get("max_tokens")
+    generates = parsed.kind not in protocol.VOCAB_KINDS | {protocol.EMBEDDING_KIND}
+    completion = parsed.params.get("max_tokens") if generates else 0
     reserve = limits.reservation(parsed.prompt, parsed.messages, completion)
     try:
         limits.admit_key_sync(api_key, request_id, reserve=reserve)

@@ -15,6 +15,7 @@ api_patterns = [
     path("models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
     path("completions", api_views.CompletionsView.as_view(), name="completions"),
     path("chat/completions", api_views.ChatCompletionsView.as_view(), name="chat-completions"),
+    path("embeddings", api_views.EmbeddingsView.as_view(), name="embeddings"),
     path("tokenize", api_views.TokenizeView.as_view(), name="tokenize"),
     path("detokenize", api_views.DetokenizeView.as_view(), name="detokenize"),
     path("requests", history_list, name="request-list"),

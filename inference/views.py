@@ -28,6 +28,7 @@ from inference.serializers import InferenceRequestSerializer, UsageQuerySerializ
 MODEL_FIELDS = {
     "id": serializers.CharField(), "object": serializers.CharField(),
     "created": serializers.IntegerField(), "owned_by": serializers.CharField(),
+    "embeddings": serializers.BooleanField(help_text="its daemon serves /v1/embeddings"),
 }
 MODEL = inline_serializer("Model", MODEL_FIELDS)
 MODEL_LIST = inline_serializer("ModelList", {

@@ -24,6 +24,7 @@ web validated everything else before the job was queued.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wire import errors, protocol
@@ -46,6 +47,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
+
+
+@dataclass(slots=True)
+class EmbeddingJob:
+    request_id: str
+    inputs: list[list[int]]
+    done: Callable[[list[Any] | None, BaseException | None], None]
+    vectors: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -97,10 +106,15 @@ class InferenceCore:
         chat_template: str = "",
         on_tick: Callable[[TickStats], None] | None = None,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+        embeddings: bool = True,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
-        anything renders or tokenizes it."""
+        anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
+        served (a second context, made at the first one)."""
         self.engine = engine
+        self.embeddings = embeddings
+        self._embedding_jobs: collections.deque[EmbeddingJob] = collections.deque()
+        self._embedding_lock = threading.Lock()
         self.max_prompt_bytes = max_prompt_bytes
         self._abort_ids: set[str] = set()  # test-only fault hook (FAULT_INJECTION)
         self.chat = ChatRenderer(engine, chat_template)
@@ -149,6 +163,7 @@ class InferenceCore:
             config,
             chat_template=get("CHAT_TEMPLATE") or "",
             max_prompt_bytes=max_prompt_bytes,
+            embeddings=bool(overrides.get("embeddings", getattr(settings, "EMBEDDINGS", True))),
         )
 
     # -- lifecycle ----------------------------------------------------------------
@@ -176,6 +191,8 @@ class InferenceCore:
             self.scheduler.cancel_all()
         while self.scheduler.has_work() and self._thread and self._thread.is_alive():
             time.sleep(0.01)
+        while self._embedding_jobs and self._thread and self._thread.is_alive():
+            time.sleep(0.01)  # short: each is a few decodes, and they were accepted
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -191,9 +208,10 @@ class InferenceCore:
                 if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
                     log.critical("fault injection: aborting the process")
                     os.abort()
+                embedded = self._embed_one_batch()  # between ticks, on this thread
                 if self.scheduler.has_work():
                     self.scheduler.step()
-                else:
+                elif not embedded:
                     self.scheduler.wait_for_work(0.25)
                 failures = 0
             except Exception as exc:
@@ -298,6 +316,77 @@ class InferenceCore:
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
+    # -- embeddings -----------------------------------------------------------------
+
+    def embedding_inputs(self, inputs: Any) -> list[list[int]]:
+        """An embeddings job's inputs (strings or token-id lists, as the web checked them)
+        as token ids, each within the embeddings context; ``InvalidParameter`` or the
+        context-length refusal names the input."""
+        if not self.embeddings:
+            raise InvalidParameter("model", "this model's daemon serves no embeddings")
+        if not isinstance(inputs, list) or not 0 < len(inputs) <= protocol.MAX_EMBEDDING_INPUTS:
+            raise InvalidParameter("input", f"must be 1 to {protocol.MAX_EMBEDDING_INPUTS} "
+                                   "inputs")
+        self._check_size(sum(_utf8_len(t, "input") for t in inputs if isinstance(t, str)),
+                         "input")
+        limit = min(protocol.EMBEDDING_N_CTX, self.engine.n_ctx)
+        out = []
+        for i, item in enumerate(inputs):
+            where = f"input[{i}]"
+            if isinstance(item, str):
+                tokens = self._tokenize(item, where) if item else []
+            elif isinstance(item, list) and all(type(t) is int for t in item):
+                if any(not 0 <= t < self.engine.n_vocab for t in item):
+                    raise InvalidParameter(where, "token ids must be within the vocabulary")
+                tokens = list(item)
+            else:
+                raise InvalidParameter(where, "must be a string or a list of token ids")
+            if not tokens:
+                raise InvalidParameter(where, "must not be empty")
+            if len(tokens) > limit:
+                raise Refusal(errors.CONTEXT_LENGTH_EXCEEDED,
+                              f"{where} is {len(tokens)} tokens; an input has at most {limit}",
+                              param=where, prompt_tokens=len(tokens), n_ctx=limit)
+            out.append(tokens)
+        return out
+
+    def submit_embeddings(self, request_id: str, inputs: list[list[int]],
+                          done: Callable[[list[Any] | None, BaseException | None], None]
+                          ) -> None:
+        """Queue an embeddings job for the loop thread: ``done(vectors, None)`` with one
+        normalized float32 vector per input in order, or ``done(None, exc)``. Each loop
+        turn embeds one batch (its inputs, up to the context), then runs a tick: a large
+        job does not hold up generation."""
+        with self._embedding_lock:
+            self._embedding_jobs.append(EmbeddingJob(request_id, inputs, done))
+        self.scheduler.wake()
+
+    def _embed_one_batch(self) -> bool:
+        """One batch of the oldest embeddings job (on the loop thread); False if none."""
+        with self._embedding_lock:
+            job = self._embedding_jobs[0] if self._embedding_jobs else None
+        if job is None:
+            return False
+        try:
+            embedder = self.engine.embedder()
+            batch, tokens = [], 0
+            for item in job.inputs[len(job.vectors):]:
+                if batch and (len(batch) >= embedder.n_seq_max
+                              or tokens + len(item) > embedder.n_ctx):
+                    break
+                batch.append(item)
+                tokens += len(item)
+            job.vectors += embedder.embed(batch)
+            finished, error = len(job.vectors) == len(job.inputs), None
+        except Exception as exc:  # this job alone fails
+            log.exception("embeddings of request %s failed", job.request_id)
+            finished, error = True, exc
+        if finished:
+            with self._embedding_lock:
+                self._embedding_jobs.popleft()
+            job.done(None if error else job.vectors, error)
+        return True
+
     def prompt_text(self, prompt: str | list[int] | None) -> str:
         """A completion's prompt as text (``echo``): the string, or its token ids' pieces
         (control tokens render as nothing)."""
@@ -364,7 +453,7 @@ class InferenceCore:
         return self.scheduler.cancel(request_id)
 
     def snapshot(self) -> dict[str, Any]:
-        return self.scheduler.snapshot()
+        return {**self.scheduler.snapshot(), "embeddings": self.embeddings}
 
     def _tick(self, stats: TickStats) -> None:
         for listener in self.tick_listeners:

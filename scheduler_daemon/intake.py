@@ -19,6 +19,7 @@ Two threads:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -274,6 +275,9 @@ class Intake:
         if job.kind in protocol.VOCAB_KINDS:
             self._answer_vocabulary(job, entry_id)
             return
+        if job.kind == protocol.EMBEDDING_KIND:
+            self._start_embeddings(job, entry_id)
+            return
         self.writer.hold(job.id)
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
             self.core.abort_process_when_running(job.id)  # test-only: before its first tick
@@ -309,6 +313,31 @@ class Intake:
         done = {"finish_reason": "stop", "stop": None, "usage": protocol.usage(0, 0, 0),
                 "timings": {}, "result": result}
         self.writer.terminal(job.id, entry_id, protocol.DONE, done)
+
+    def _start_embeddings(self, job: protocol.Job, entry_id: str) -> None:
+        """An embeddings job: its inputs tokenized here, embedded by the loop thread (the
+        one that decodes), answered with one ``done`` event: each vector as base64 of
+        little-endian float32, and the tokens as prompt usage."""
+        try:
+            inputs = self.core.embedding_inputs(job.prompt)
+        except Refusal as refusal:
+            self.refuse(job.id, entry_id, refusal)
+            return
+        n_tokens = sum(len(tokens) for tokens in inputs)
+
+        def done(vectors: list[Any] | None, error: BaseException | None) -> None:
+            if error is not None or vectors is None:
+                data = {"code": errors.ENGINE_ERROR, "status": errors.status_of(errors.ENGINE_ERROR),
+                        "message": "The embeddings of this request failed."}
+                self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
+                return
+            result = {"vectors": [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                                  for v in vectors]}
+            self.writer.terminal(job.id, entry_id, protocol.DONE, {
+                "finish_reason": "stop", "stop": None, "timings": {}, "result": result,
+                "usage": protocol.usage(n_tokens, 0, 0)})
+
+        self.core.submit_embeddings(job.id, inputs, done)
 
     def _while_redis_away(self, call: Callable[[], Any]) -> Any:
         """``call()``, tried again while Redis is away (a restart): the job waits for Redis

@@ -9,8 +9,8 @@ Set by the test through the environment:
   default model, the first of ``MODELS``, which no daemon here serves), at 503 ``scheduler_unavailable``.
   An empty or non-printable model (NUL, a surrogate) is left as generated: the web must
   refuse it. ``GET /v1/models/{model}`` asks for it every other time.
-- A tokenize/detokenize body's ``model`` becomes it the same way: its content and token
-  ids (out of the vocabulary, huge, negative) meet the live daemon.
+- A tokenize/detokenize/embeddings body's ``model`` becomes it the same way: its content
+  and token ids (out of the vocabulary, huge, negative) meet the live daemon.
 - Every other completion body loses its ``grammar``, ``json_schema``, ``response_format``
   and ``logit_bias`` (random ones are refused; the other half still sends them).
 - ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` above it, up to the
@@ -41,7 +41,7 @@ MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "8"))
 N_CTX = int(os.environ.get("N_CTX", "2048"))
 LOG = os.environ.get("FUZZ_LOG")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
-VOCABULARY = ("/v1/tokenize", "/v1/detokenize")
+VOCABULARY = ("/v1/tokenize", "/v1/detokenize", "/v1/embeddings")
 MIN_TIMEOUT_S = 120
 CONSTRAINTS = ("grammar", "json_schema", "response_format", "logit_bias")
 _seen_ids: list[str] = []

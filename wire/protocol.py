@@ -71,6 +71,9 @@ TOKENIZE_KIND, DETOKENIZE_KIND = "tokenize", "detokenize"
 VOCAB_KINDS = frozenset({TOKENIZE_KIND, DETOKENIZE_KIND})
 # The most token ids one detokenize job may carry (the web and the daemon both check).
 MAX_DETOKENIZE_TOKENS = 65_536
+EMBEDDING_KIND = "embedding"
+MAX_EMBEDDING_INPUTS = 256  # inputs of one embeddings request
+EMBEDDING_N_CTX = 2048  # the embeddings context's tokens: the most one input may have
 
 # Error codes live in wire/errors.py (each with its HTTP status and OpenAI type).
 

@@ -7,7 +7,8 @@ it, then the scheduler's loop), libgomp manages more threads than the machine ha
 throttles the spin at every barrier to ~100 iterations: each of a decode's ops then ends
 in a futex sleep and wake (on 2 vCPUs the decode threads idled ~15% of the time;
 docs/performance.md). What a process can see of that is its threads: after the engine is
-built and the core has served a request, exactly ``n_threads - 1`` threads that Python did
+built and the core has served a request (and an embeddings job, on its second context),
+exactly ``n_threads - 1`` threads that Python did
 not start exist beyond those that existed before the engine (the loop's one team).
 """
 
@@ -49,6 +50,12 @@ core.start()
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 for prompt in ("The capital of France is", "Once upon a time"):
     core.submit(prompt=prompt, params=params).result(timeout=120)
+# an embeddings job too: its own context, decoded by the same loop thread (one team)
+embedded = threading.Event()
+vectors = []
+core.submit_embeddings("e", [engine.tokenize("a cat"), engine.tokenize("a dog")],
+                       lambda v, err: (vectors.append((v, err)), embedded.set()))
+assert embedded.wait(120) and vectors[0][1] is None and len(vectors[0][0]) == 2
 served = foreign_threads()
 core.stop(grace_s=0)
 print(json.dumps({"before": before, "loaded": loaded, "served": served}))

@@ -1,0 +1,120 @@
+"""POST /v1/embeddings (#16) with the official ``openai`` SDK: computed by the model's daemon
+in its loop (a second llama.cpp context, mean pooling, normalized), never in the web. Real
+daphne, Redis and daemons (Gemma; SmolLM2 for /v1/models)."""
+from __future__ import annotations
+
+import base64
+import math
+import struct
+
+import openai
+import pytest
+
+from config.models import SMOLLM2
+from tests.live_service import shared_daemon
+
+pytestmark = pytest.mark.slow
+
+
+def client(web) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=web.keys["owner"], max_retries=0)
+
+
+def cosine(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def test_the_same_text_twice_gives_identical_unit_vectors(web, daemon):
+    api = client(web)
+    one = api.embeddings.create(model=daemon.model, input="a cat sat on the mat")
+    two = api.embeddings.create(model=daemon.model, input="a cat sat on the mat")
+    assert one.data[0].embedding == two.data[0].embedding
+    vector = one.data[0].embedding
+    assert len(vector) == 640  # Gemma 3 270M's n_embd
+    assert math.isclose(math.sqrt(sum(x * x for x in vector)), 1.0, abs_tol=1e-5)
+    assert one.usage.prompt_tokens == one.usage.total_tokens > 0
+
+
+def test_base64_decodes_to_the_same_floats(web, daemon):
+    api = client(web)
+    floats = api.embeddings.create(model=daemon.model, input="hello there").data[0].embedding
+    raw = api.embeddings.with_raw_response.create(model=daemon.model, input="hello there",
+                                                  encoding_format="base64").http_response.json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == floats
+
+
+def test_a_cat_on_a_mat_is_closer_to_a_cat_on_a_rug_than_to_tax_deadlines(web, daemon):
+    reply = client(web).embeddings.create(model=daemon.model, input=[
+        "a cat sat on the mat", "a cat sat on a rug", "quarterly tax filing deadlines"])
+    mat, rug, tax = (d.embedding for d in reply.data)
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    assert cosine(mat, rug) > cosine(mat, tax)
+
+
+def test_token_arrays_and_many_inputs_in_order(web, daemon):
+    texts = [f"sentence number {i} about trains" for i in range(20)]  # more than one batch
+    api = client(web)
+    reply = api.embeddings.create(model=daemon.model, input=texts)
+    assert [d.index for d in reply.data] == list(range(20))
+    solo = api.embeddings.create(model=daemon.model, input=texts[7]).data[0].embedding
+    assert cosine(solo, reply.data[7].embedding) > 0.999  # batch shape shifts the last bits
+    ids = api.embeddings.create(model=daemon.model, input=[[2, 651, 5866], [2, 651]])
+    assert len(ids.data) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_models_say_which_embed(web, daemon):
+    listed = {m.id: m.model_extra.get("embeddings") for m in client(web).models.list()}
+    assert listed[daemon.model] is True
+
+
+def test_usage_counts_against_the_tenant(web, daemon):
+    import json
+    import urllib.request
+
+    def used() -> int:
+        request = urllib.request.Request(f"{web.base_url}/v1/usage",
+                                         headers={"Authorization": f"Bearer {web.keys['owner']}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())["totals"]["prompt_tokens"]
+
+    before = used()
+    reply = client(web).embeddings.create(model=daemon.model, input="count these tokens please")
+    assert used() - before == reply.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input[0]"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input[0]"),
+    ({"input": [[-1]]}, "input[0]"),
+    ({"input": [[10**9]]}, "input[0]"),  # the daemon: outside the vocabulary
+    ({"input": ["x"] * 257}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "dimensions": 8}, "dimensions"),
+    ({"input": "word " * 3000}, "input[0]"),  # past the embeddings context (2048 tokens)
+])
+def test_bad_inputs_are_400s_naming_the_field(web, daemon, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(web).embeddings.create(model=daemon.model, **body)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_lone_surrogate_is_a_400(web, daemon):
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = ('{"model": %s, "input": ["ok", "\\ud800"]}' % json.dumps(daemon.model)).encode()
+    request = urllib.request.Request(f"{web.base_url}/v1/embeddings", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {web.keys['owner']}"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400
+    assert json.loads(caught.value.read())["error"]["param"] == "input[1]"
+
+
+def test_the_chat_model_embeds_too(web):
+    shared_daemon(web, "chat")
+    reply = client(web).embeddings.create(model=SMOLLM2, input="hello")
+    assert len(reply.data[0].embedding) == 576
