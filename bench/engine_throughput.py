@@ -9,7 +9,9 @@ shared machine only ever slows a run down). Each side runs in a process of its o
 bench talks to both over pipes, one run at a time): in one process the raw loop on the main
 thread and the core's loop thread would be two OpenMP teams, and libgomp throttles every
 team's barrier spin once it manages more threads than CPUs (docs/performance.md), which
-slowed both sides alike until 2026-12-02. Run:  .venv/bin/python bench/engine_throughput.py
+slowed both sides alike until 2026-12-02. ``--logprobs N``: ours asks for log probabilities
+with N alternatives per token (what such a request costs; without it, the default run is
+the hot path every other request takes). Run:  .venv/bin/python bench/engine_throughput.py
 The last line printed is JSON.
 """
 
@@ -48,8 +50,10 @@ def make_prompts(engine: LlamaEngine, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_ours(core: InferenceCore, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def run_ours(core: InferenceCore, prompts: list[list[int]], new_tokens: int,
+             logprobs: int | None = None) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     t0 = time.perf_counter()
     handles = [core.submit(prompt=p, params=params, cache_prompt=False) for p in prompts]
     generated = sum(h.result(timeout=600).finished.stats.completion_tokens for h in handles)
@@ -79,7 +83,7 @@ def run_raw(engine: LlamaEngine, prompts: list[list[int]], new_tokens: int) -> f
     return len(prompts) * new_tokens / elapsed
 
 
-def worker(side: str, n_seq: int, threads: int) -> None:
+def worker(side: str, n_seq: int, threads: int, logprobs: int | None = None) -> None:
     """One side in its own process: reads "conc new_tokens" lines, answers tok/s lines."""
     logging.basicConfig(level=logging.WARNING)
     engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
@@ -89,7 +93,7 @@ def worker(side: str, n_seq: int, threads: int) -> None:
     if side == "ours":
         core = InferenceCore(engine, SchedulerConfig(chunk_size=512))
         core.start()
-    run = (lambda c, n: run_ours(core, prompts[:c], n)) if core else (
+    run = (lambda c, n: run_ours(core, prompts[:c], n, logprobs)) if core else (
         lambda c, n: run_raw(engine, prompts[:c], n))
     run(1, 8)  # warm-up
     print("ready", flush=True)
@@ -102,10 +106,11 @@ def worker(side: str, n_seq: int, threads: int) -> None:
 
 
 class Side:
-    def __init__(self, side: str, n_seq: int, threads: int) -> None:
+    def __init__(self, side: str, n_seq: int, threads: int, logprobs: int | None = None) -> None:
+        extra = ["--logprobs", str(logprobs)] if logprobs is not None else []
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", side, "--conc", str(n_seq),
-             "--threads", str(threads)],
+             "--threads", str(threads), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         if self.proc.stdout.readline().strip() != "ready":
@@ -127,16 +132,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="ours asks for logprobs with this many alternatives per token")
     parser.add_argument("--worker", choices=["raw", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     n_seq = max(args.conc)
     if args.worker:
-        worker(args.worker, n_seq, args.threads)
+        worker(args.worker, n_seq, args.threads, args.logprobs)
         return
-    raw_side, ours_side = Side("raw", n_seq, args.threads), Side("ours", n_seq, args.threads)
+    raw_side = Side("raw", n_seq, args.threads)
+    ours_side = Side("ours", n_seq, args.threads, args.logprobs)
     print(f"machine: {machine()}")
     print(f"model: {model_path()}  threads={args.threads} n_ctx=8192 n_batch=2048 "
-          f"n_seq_max={n_seq}; each side in its own process")
+          f"n_seq_max={n_seq}; each side in its own process"
+          + (f"; ours asks logprobs={args.logprobs}" if args.logprobs is not None else ""))
     rows = []
     print(f"{'conc':>4} {'ours tok/s':>11} {'raw tok/s':>10} {'ratio':>6}")
     try:
@@ -156,6 +165,7 @@ def main() -> None:
         ours_side.close()
     print(json.dumps({"bench": "engine_throughput", "machine": machine(),
                       "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS,
+                      "logprobs": args.logprobs,
                       "reps": args.reps, "rows": rows}))
 
 
