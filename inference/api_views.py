@@ -97,14 +97,16 @@ class CompletionView(APIView):
             submission = await idempotency.submit(request.auth, parsed, key,
                                                   idempotency.body_digest(self.kind, body))
         formatter = Formatter(self.kind, submission.request_id, submission.model,
-                              submission.created, parsed.include_usage, parsed.tool_plan)
+                              submission.created, parsed.include_usage, parsed.tool_plan,
+                              parsed.n)
         replay = submission if isinstance(submission, idempotency.Replay) else None
         if parsed.stream:
             return _sse_response(formatter, replay.events() if replay else
                                  service.events(submission))
-        collected = await (replay.collect() if replay else service.collect(submission))
+        collected = await (replay.collect(parsed.n) if replay
+                           else service.collect(submission, parsed.n))
         # Django's JsonResponse: a DRF Response is rendered on a thread (one more hop).
-        response = JsonResponse(formatter.whole(collected.text, collected.final,
+        response = JsonResponse(formatter.whole(collected.texts, collected.final,
                                                 collected.logprobs))
         response["X-Request-Id"] = submission.request_id
         return response

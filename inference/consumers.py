@@ -391,6 +391,8 @@ def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, A
         message = {**head, "text": data.get("text", ""), "n_tokens": data.get("n_tokens", 0)}
         if data.get("logprobs"):  # a request that asked: its tokens' entries, chat's shape
             message["logprobs"] = [chat_logprob(entry) for entry in data["logprobs"]]
+        if "index" in data:  # a choice of several (n > 1)
+            message["index"] = data["index"]
         return message
     if event.kind == protocol.DONE:
         done = {**head, "finish_reason": data.get("finish_reason"), "stop": data.get("stop"),
@@ -398,6 +400,8 @@ def _message(client_id: Any, request_id: str, event: StreamEvent) -> dict[str, A
                 "timings": data.get("timings") or {}}
         if data.get("resumed"):  # continued by another daemon after its own died
             done["resumed"] = data["resumed"]
+        if data.get("choices"):  # n > 1: each choice's end
+            done["choices"] = data["choices"]
         return done
     return {**head, "model": data.get("model"), "prompt_tokens": data.get("prompt_tokens")}
 

@@ -77,9 +77,9 @@ class Replay:
             async for event in rest:
                 yield event
 
-    async def collect(self) -> service.Collected:
+    async def collect(self, n: int = 1) -> service.Collected:
         """All text and the terminal event (``service.collect``'s twin)."""
-        collected = await service.collect_events(self.request_id, self.events())
+        collected = await service.collect_events(self.request_id, self.events(), n)
         if collected is not None:
             return collected
         raise ApiError(errors.INFERENCE_INTERRUPTED, "The request's events ended early.")

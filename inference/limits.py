@@ -75,10 +75,11 @@ def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0) -> None:
 
 
 def reservation(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-                max_tokens: int | None) -> int:
+                max_tokens: int | None, n: int = 1) -> int:
     """The most tokens a request can use: an upper bound of its prompt's tokens (UTF-8
     bytes of its text, plus the template's allowances; token ids count one each) plus its
-    ``max_tokens`` (``DEFAULT_MAX_TOKENS`` when it names none)."""
+    ``max_tokens`` (``DEFAULT_MAX_TOKENS`` when it names none) for each of its ``n``
+    choices (the prompt counts once)."""
     estimate = TEMPLATE_TOKENS_FIXED
     if messages is not None:
         for message in messages:
@@ -90,7 +91,7 @@ def reservation(prompt: str | list[int] | None, messages: list[dict[str, str]] |
     elif prompt is not None:
         estimate += _utf8_len(prompt)
     completion = max_tokens if max_tokens is not None else settings.DEFAULT_MAX_TOKENS
-    return estimate + int(completion)
+    return estimate + int(completion) * n
 
 
 def _utf8_len(text: object) -> int:

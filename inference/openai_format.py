@@ -22,7 +22,7 @@ OPEN_FRAME = b": stream\n\n"
 
 @dataclass(frozen=True, slots=True)
 class Formatter:
-    """Builds one request's replies; ``kind`` is "chat" or "completion"."""
+    """Builds one request's replies; ``kind`` is "chat" or "completion"; ``n`` choices."""
 
     kind: str
     request_id: str
@@ -30,8 +30,9 @@ class Formatter:
     created: int
     include_usage: bool = False
     tools: ToolPlan | None = None  # a chat with tools: its output is read as a call
-    # completions' text_offset runs on across a stream's chunks
-    _offset: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    n: int = 1
+    # completions' text_offset runs on across a stream's chunks, per choice
+    _offset: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     # a tools reply's text, held until its end (a call is sent whole)
     _held: list[str] = field(default_factory=list, compare=False, repr=False)
 
@@ -39,61 +40,74 @@ class Formatter:
     def id(self) -> str:
         return f"{'chatcmpl' if self.kind == CHAT else 'cmpl'}-{self.request_id}"
 
-    def whole(self, text: str, final: StreamEvent,
-              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The non-streaming body. An ``error`` final event raises ApiError instead; a
-        ``timeout`` one carries the text made until then and its (billed) usage.
-        ``logprobs``: the wire's entries of every token (a request that asked for them)."""
+    def whole(self, texts: list[str], final: StreamEvent,
+              logprobs: list[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """The non-streaming body: one choice per text (by index). An ``error`` final event
+        raises ApiError instead; a ``timeout`` one carries the text made until then and its
+        (billed) usage. ``logprobs``: per choice, the wire's entries of every token (a
+        request that asked for them)."""
         if final.kind == protocol.ERROR:
             error = ApiError.from_event(final.data)
             if error.code == TIMEOUT:
-                error.details.update(partial_text=text, usage=usage_of(final))
+                error.details.update(partial_text=texts[0] if len(texts) == 1 else texts,
+                                     usage=usage_of(final))
             raise error
-        reason = final.data.get("finish_reason")
-        if self.kind == CHAT:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                content, calls = read_reply(text, self.tools.mode)
-                message["content"] = content
-                if calls:
-                    message["tool_calls"] = calls
-                    reason = "tool_calls" if reason == "stop" else reason
-            choice = {"index": 0, "message": message,
-                      "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason,
-                      "logprobs": self._logprobs(logprobs)}
-        return {**self._head(whole=True), "choices": [choice], "usage": usage_of(final)}
+        reasons = _reasons(final, len(texts))
+        choices = []
+        for index, text in enumerate(texts):
+            reason = reasons[index]
+            entries = logprobs[index] if logprobs else None
+            if self.kind == CHAT:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = read_reply(text, self.tools.mode)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": index, "message": message, "finish_reason": reason,
+                          "logprobs": self._logprobs(entries, index)}
+            else:
+                choice = {"index": index, "text": text, "finish_reason": reason,
+                          "logprobs": self._logprobs(entries, index)}
+            choices.append(choice)
+        body = {**self._head(whole=True), "choices": choices, "usage": usage_of(final)}
+        if self.n > 1:  # how the prompt was computed: once, the other choices copied it
+            body["timings"] = final.data.get("timings") or {}
+        return body
 
     def chunks(self, event: StreamEvent) -> list[dict[str, Any]]:
         """The stream chunks one event becomes (possibly none)."""
         if event.kind == protocol.ACCEPTED:
             if self.kind == CHAT:
-                return [self._chunk({"role": "assistant", "content": ""})]
+                return [self._chunk({"role": "assistant", "content": ""}, index=i)
+                        for i in range(self.n)]
             echo = event.data.get("echo")  # a completion that asked for its prompt back
-            return [self._chunk(echo)] if echo else []
+            return [self._chunk(echo, index=i) for i in range(self.n)] if echo else []
         if event.kind == protocol.TOKEN:
+            index = event.data.get("index") or 0
             text = event.data.get("text", "")
             if self.tools is not None:  # the call goes out whole, at the end
                 self._held.append(text)
                 text = ""
-            logprobs = self._logprobs(event.data.get("logprobs"))
+            logprobs = self._logprobs(event.data.get("logprobs"), index)
             if not text and logprobs is None:
                 return []
             return [self._chunk({"content": text} if self.kind == CHAT else text,
-                                logprobs=logprobs)]
+                                logprobs=logprobs, index=index)]
         if event.kind == protocol.DONE:
-            reason = event.data.get("finish_reason")
+            reasons = _reasons(event, self.n)
             out = []
             if self.tools is not None:
                 content, calls = read_reply("".join(self._held), self.tools.mode)
                 if calls:
                     out.append(self._chunk({"tool_calls": [{"index": i, **call}
                                                            for i, call in enumerate(calls)]}))
-                    reason = "tool_calls" if reason == "stop" else reason
+                    reasons[0] = "tool_calls" if reasons[0] == "stop" else reasons[0]
                 elif content:
                     out.append(self._chunk({"content": content}))
-            out.append(self._chunk({} if self.kind == CHAT else "", reason))
+            out += [self._chunk({} if self.kind == CHAT else "", reasons[i], index=i)
+                    for i in range(self.n)]
             if self.include_usage:
                 out.append({**self._head(), "choices": [], "usage": usage_of(event)})
             return out
@@ -112,8 +126,8 @@ class Formatter:
         return head
 
     def _chunk(self, delta: dict[str, Any] | str, reason: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.kind == CHAT:
             choice["delta"] = delta
         else:
@@ -121,11 +135,12 @@ class Formatter:
         choice.update(finish_reason=reason, logprobs=logprobs)
         return {**self._head(), "choices": [choice]}
 
-    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[dict[str, Any]] | None,
+                  index: int = 0) -> dict[str, Any] | None:
         """The wire's logprobs entries in OpenAI's shape (None: the request asked none).
         Chat: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``.
         Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob)
-        and ``text_offset`` (each token's start in the completion text, counted in
+        and ``text_offset`` (each token's start in the choice's text, counted in
         characters of the tokens' text, which is the text unless a token ends inside a
         UTF-8 character)."""
         if not entries:
@@ -135,12 +150,22 @@ class Formatter:
         tokens, offsets = [], []
         for entry in entries:
             tokens.append(_piece(entry["b"])[0])
-            offsets.append(self._offset[0])
-            self._offset[0] += len(tokens[-1])
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = offsets[-1] + len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [e["lp"] for e in entries],
                 "top_logprobs": [{_piece(b)[0]: lp for b, lp in reversed(e["top"])}
                                  for e in entries],
                 "text_offset": offsets}
+
+
+def _reasons(final: StreamEvent, n: int) -> list[str | None]:
+    """Each choice's finish reason (a request of several lists them; else the one)."""
+    reasons: list[str | None] = [final.data.get("finish_reason")] * n
+    for choice in final.data.get("choices") or ():
+        if isinstance(choice, dict) and type(choice.get("index")) is int and 0 <= choice[
+                "index"] < n:
+            reasons[choice["index"]] = choice.get("finish_reason")
+    return reasons
 
 
 def _piece(hex_bytes: str) -> tuple[str, list[int]]:

@@ -95,6 +95,7 @@ class ParsedRequest:
     request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
     echo: bool = False  # a completion's prompt text first in its reply
+    n: int = 1  # choices (prefilled once, sampled n ways)
 
     def job(self, request_id: str, tenant_id: str,
             max_queued: int | None = None) -> protocol.Job:
@@ -110,6 +111,7 @@ class ParsedRequest:
             retention_s=self.retention_s or int(settings.STREAM_RETENTION_S),
             watched=settings.RESUME_GRACE_S > 0,  # readers keep its watch key (inference/watch.py)
             echo=self.echo,
+            n=self.n,
         )
 
 
@@ -160,8 +162,10 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
     parsed.stream = _bool(body, "stream", False)
     parsed.include_usage = _include_usage(body.get("stream_options"))
-    if _present(body, "n") and (type(body["n"]) is not int or body["n"] != 1):
-        raise invalid("n", "Only n=1 is supported.")
+    if _present(body, "n"):
+        if type(body["n"]) is not int or not 1 <= body["n"] <= protocol.MAX_CHOICES:
+            raise invalid("n", f"n must be an integer from 1 to {protocol.MAX_CHOICES}.")
+        parsed.n = body["n"]
     parsed.session = _session(body)
     cache_prompt = body.get("cache_prompt")
     parsed.cache_prompt = None if cache_prompt is None else _bool(body, "cache_prompt", True)
@@ -176,6 +180,9 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         raise invalid("echo", "echo with logprobs is not built here (it needs the prompt's "
                               "own logprobs); send one of them.", "unsupported_parameter")
     if parsed.tool_plan is not None:
+        if parsed.n > 1:
+            raise invalid("n", "n > 1 with tools is not built here; send n=1.",
+                          "unsupported_parameter")
         if any(name in parsed.params for name in ("grammar", "json_schema")):
             name = next(n for n in ("grammar", "json_schema", "response_format")
                         if body.get(n) is not None)

@@ -139,7 +139,9 @@ class CommonRequestSerializer(serializers.Serializer):
     session = serializers.CharField(required=False, allow_null=True, max_length=200,
                                     help_text="keeps a conversation on one slot (prefix cache)")
     user = serializers.CharField(required=False, help_text="taken as the session when none")
-    n = serializers.ChoiceField([1], required=False, help_text="only 1")
+    n = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                 max_value=protocol.MAX_CHOICES,
+                                 help_text="choices: the prompt prefilled once, sampled n ways")
     timeout = TimeoutField(required=False, allow_null=True)
 
 

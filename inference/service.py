@@ -151,7 +151,7 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     # a vocabulary request generates nothing (its reservation: the prompt's bound alone)
     generates = parsed.kind not in protocol.VOCAB_KINDS | {protocol.EMBEDDING_KIND}
     completion = parsed.params.get("max_tokens") if generates else 0
-    reserve = limits.reservation(parsed.prompt, parsed.messages, completion)
+    reserve = limits.reservation(parsed.prompt, parsed.messages, completion, parsed.n)
     try:
         limits.admit_key_sync(api_key, request_id, reserve=reserve)
     except redis.RedisError as exc:
@@ -358,38 +358,46 @@ async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: st
 
 @dataclass(frozen=True, slots=True)
 class Collected:
-    """A whole request's output, for a non-streaming reply."""
+    """A whole request's output, for a non-streaming reply: per choice (index)."""
 
-    text: str
+    texts: list[str]
     final: StreamEvent  # its terminal event
-    logprobs: list[dict[str, Any]]  # the wire's entries, one per token (when it asked)
+    logprobs: list[list[dict[str, Any]]]  # per choice, the wire's entries (when it asked)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
-async def collect(submission: Submission) -> Collected:
-    """All text of a request and its terminal event (for non-streaming replies)."""
-    collected = await collect_events(submission.request_id, events(submission))
+async def collect(submission: Submission, n: int = 1) -> Collected:
+    """All text of a request's ``n`` choices and its terminal event (non-streaming)."""
+    collected = await collect_events(submission.request_id, events(submission), n)
     if collected is None:  # pragma: no cover
         raise AssertionError("events() ended without a terminal event")
     return collected
 
 
-async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent | None]
-                         ) -> Collected | None:
-    """The text of ``stream_of`` and its terminal event, read while the request is held
-    (``CancelIfAbandoned``); None when it ended without one."""
-    parts: list[str] = []
-    logprobs: list[dict[str, Any]] = []
+async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent | None],
+                         n: int = 1) -> Collected | None:
+    """The text of ``stream_of``'s ``n`` choices and its terminal event, read while the
+    request is held (``CancelIfAbandoned``); None when it ended without one."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     async with CancelIfAbandoned(request_id), aclosing(stream_of) as stream:
         async for event in stream:
             if event is None:
                 continue
             if event.kind == protocol.TOKEN:
-                parts.append(event.data.get("text", ""))
-                logprobs += event.data.get("logprobs") or ()
+                index = event.data.get("index") or 0
+                if type(index) is not int or not 0 <= index < n:
+                    continue  # not a choice of this request (a rogue writer)
+                parts[index].append(event.data.get("text", ""))
+                logprobs[index] += event.data.get("logprobs") or ()
             elif event.kind == protocol.ACCEPTED and event.data.get("echo"):
-                parts.insert(0, event.data["echo"])  # a continuation's accepted has none
+                for choice in parts:  # a continuation's accepted has none
+                    choice.insert(0, event.data["echo"])
             elif event.is_terminal:
-                return Collected("".join(parts), event, logprobs)
+                return Collected(["".join(p) for p in parts], event, logprobs)
     return None
 
 

@@ -25,6 +25,7 @@ web validated everything else before the job was queued.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -41,12 +42,60 @@ from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
 from .scheduler import Scheduler, SchedulerConfig
-from .state import Continuation, Event, FinishedEvent, Request, TickStats, TokenEvent
+from .state import (
+    Choice,
+    Continuation,
+    Event,
+    FinishedEvent,
+    Request,
+    RequestStats,
+    TickStats,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
+
+
+@dataclass(slots=True)
+class ChoiceGroup:
+    """The n choices of one request and how far they are."""
+
+    id: str
+    n: int
+    prompt_tokens: int
+    finished: dict[int, FinishedEvent] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)  # choices whose end has not come
+    abandoned: bool = False  # handed back or refused: its choices' ends go nowhere
+
+    def __post_init__(self) -> None:
+        self.pending = set(range(self.n))
+
+    def merged(self) -> FinishedEvent:
+        """The request's end: the prompt counted once, the completions summed; an error of
+        any choice is the request's."""
+        ends = [self.finished[i] for i in range(self.n)]
+        failed = next((e for e in ends if e.error is not None), None)
+        stats = [e.stats for e in ends]
+        present = lambda values: [v for v in values if v is not None]  # noqa: E731
+        merged = RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=stats[0].cached_tokens,
+            completion_tokens=sum(s.completion_tokens for s in stats),
+            queue_ms=min(present(s.queue_ms for s in stats), default=None),
+            ttft_ms=min(present(s.ttft_ms for s in stats), default=None),
+            duration_ms=max(s.duration_ms for s in stats),
+            prompt_eval_rate=stats[0].prompt_eval_rate,
+            generation_rate=sum(present(s.generation_rate for s in stats)) or None,
+            prompt_evaluated=sum(s.prompt_tokens - s.cached_tokens for s in stats),
+        )
+        head = failed or ends[0]
+        return FinishedEvent(self.id, head.finish_reason, merged, stop=ends[0].stop,
+                             error=failed.error if failed else None,
+                             choices=tuple(Choice(i, e.finish_reason, e.stop)
+                                           for i, e in enumerate(ends)))
 
 
 @dataclass(slots=True)
@@ -122,6 +171,10 @@ class InferenceCore:
         self.listeners: list[Callable[[Event], None]] = []
         self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
         self._handles: dict[str, RequestHandle] = {}  # guarded by the scheduler's lock
+        # requests of several choices (n > 1): each choice is a request of the scheduler's
+        # ("<id>#<i>"), their events merged into the request's (the scheduler's lock)
+        self._groups: dict[str, ChoiceGroup] = {}
+        self._siblings: dict[str, tuple[ChoiceGroup, int]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -187,6 +240,7 @@ class InferenceCore:
                 handed_back += self.scheduler.hand_back(waiting_only=True)
         if hand_back:
             handed_back += self.scheduler.hand_back()
+            handed_back = self._parents_handed_back(handed_back)
         else:
             self.scheduler.cancel_all()
         while self.scheduler.has_work() and self._thread and self._thread.is_alive():
@@ -248,6 +302,7 @@ class InferenceCore:
         continuation: Continuation | None = None,
         deadline: float | None = None,
         since: float | None = None,
+        n: int = 1,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -255,7 +310,13 @@ class InferenceCore:
         waiting requests (None: the configured one). ``deadline`` (unix seconds): past it
         the request ends with ``timeout``; already past, it is refused. ``continuation``:
         what a dead daemon had generated for it (``state.Continuation``); ``since`` (unix
-        seconds): when it was first queued, for its timings."""
+        seconds): when it was first queued, for its timings. ``n`` > 1: that many choices,
+        each a request of the scheduler's with the same prompt (prefilled once: the
+        followers copy the leader's cells) and its own sampler (seed + index)."""
+        if type(n) is not int or not 1 <= n <= protocol.MAX_CHOICES:
+            raise InvalidParameter("n", f"must be an integer from 1 to {protocol.MAX_CHOICES}")
+        if n > 1 and continuation is not None:
+            raise InvalidParameter("n", "a request of several choices cannot be continued")
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
             arrival -= min(max(0.0, time.time() - since), 24 * 3600.0)
@@ -266,8 +327,14 @@ class InferenceCore:
             raise InvalidParameter("cache_scope", "must be a string")
         if session is not None and not isinstance(session, str):
             raise InvalidParameter("session", "must be a string")
-        self.scheduler.check_capacity(cache_scope, max_queued)  # refuse before tokenizing
+        self.scheduler.check_capacity(cache_scope, max_queued, n)  # refuse before tokenizing
         tokens = self.prompt_tokens(prompt, messages)
+        if n > 1:
+            return self._enqueue_choices(
+                n, request_id or uuid.uuid4().hex, handle, tokens, params or SamplingParams(),
+                dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
+                     arrival=arrival, max_queued=max_queued,
+                     deadline=None if deadline is None else now + (deadline - time.time())))
         request = Request(
             id=request_id or uuid.uuid4().hex,
             prompt_tokens=tokens,
@@ -315,6 +382,78 @@ class InferenceCore:
                 raise InvalidParameter("prompt", "token ids must be within the vocabulary")
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
+
+    def _enqueue_choices(self, n: int, request_id: str, handle: RequestHandle | None,
+                         tokens: list[int], params: SamplingParams,
+                         common: dict[str, Any]) -> int:
+        """Queue the n choices of one request (see ``enqueue``)."""
+        group = ChoiceGroup(request_id, n, len(tokens))
+        with self.scheduler.lock:
+            if request_id in self._handles or request_id in self._groups or any(
+                    f"{request_id}#{i}" in self.scheduler.request_ids() for i in range(n)):
+                raise Refusal(errors.DUPLICATE_ID, f"request id {request_id} is already in use")
+            self._groups[request_id] = group
+            for i in range(n):
+                self._siblings[f"{request_id}#{i}"] = (group, i)
+            if handle is not None:
+                self._handles[request_id] = handle
+        submitted: list[str] = []
+        try:
+            for i in range(n):
+                seed = None if params.seed is None else (params.seed + i) % (2**32 - 1)
+                self.scheduler.submit(Request(id=f"{request_id}#{i}", prompt_tokens=tokens,
+                                              params=dataclasses.replace(params, seed=seed),
+                                              **common))
+                submitted.append(f"{request_id}#{i}")
+        except BaseException:
+            with self.scheduler.lock:
+                group.abandoned = True  # its choices' ends are not the request's
+                self._handles.pop(request_id, None)
+                for i in range(len(submitted), n):  # never queued: no end will come
+                    self._siblings.pop(f"{request_id}#{i}", None)
+                    group.pending.discard(i)
+                if not group.pending:
+                    self._groups.pop(request_id, None)
+            for sibling in submitted:
+                self.scheduler.cancel(sibling)  # their ends come later and go nowhere
+            raise
+        return len(tokens)
+
+    def _parents_handed_back(self, ids: list[str]) -> list[str]:
+        """Handed-back ids as the daemon's requests: a choice hands its whole request back
+        (its other choices' ends are then not sent: the next daemon decides)."""
+        out: list[str] = []
+        with self.scheduler.lock:
+            for request_id in ids:
+                sibling = self._siblings.get(request_id)
+                if sibling is None:
+                    out.append(request_id)
+                    continue
+                group = sibling[0]
+                if not group.abandoned:
+                    group.abandoned = True
+                    out.append(group.id)
+        return out
+
+    def _merge_choice(self, event: Event) -> Event | None:
+        """A choice's event as its request's (None: nothing to send yet). The scheduler's
+        lock is held."""
+        group, index = self._siblings[event.request_id]
+        if isinstance(event, TokenEvent):
+            if group.abandoned:
+                return None
+            return TokenEvent(group.id, event.text, event.n_tokens, event.tokens,
+                              event.logprobs, index)
+        assert isinstance(event, FinishedEvent)
+        del self._siblings[event.request_id]
+        group.finished[index] = event
+        group.pending.discard(index)
+        if group.pending:
+            return None
+        self._groups.pop(group.id, None)
+        if group.abandoned:
+            return None
+        return group.merged()
 
     # -- embeddings -----------------------------------------------------------------
 
@@ -450,6 +589,10 @@ class InferenceCore:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request wherever it is; it ends with finish_reason ``cancelled``."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            results = [self.scheduler.cancel(f"{request_id}#{i}") for i in range(group.n)]
+            return any(results)
         return self.scheduler.cancel(request_id)
 
     def snapshot(self) -> dict[str, Any]:
@@ -461,6 +604,11 @@ class InferenceCore:
 
     def _dispatch(self, event: Event) -> None:
         """Scheduler callback (its lock held): the request's handle, then every listener."""
+        if event.request_id in self._siblings:
+            merged = self._merge_choice(event)
+            if merged is None:
+                return
+            event = merged
         handle = self._handles.get(event.request_id)
         if isinstance(event, FinishedEvent):
             self._handles.pop(event.request_id, None)

@@ -152,6 +152,8 @@ class EventWriter:
             data = {"text": event.text, "n_tokens": event.n_tokens, "ids": list(event.tokens)}
             if event.logprobs:
                 data["logprobs"] = list(event.logprobs)
+            if event.index is not None:  # a choice of several (n > 1)
+                data["index"] = event.index
             item = Outgoing(event.request_id, protocol.TOKEN, data)
         else:
             item = Outgoing(event.request_id, *finished_payload(event))
@@ -334,8 +336,13 @@ def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
             "duration_ms": s.duration_ms,
             "prompt_eval_rate": s.prompt_eval_rate,
             "generation_rate": s.generation_rate,
+            "prompt_evaluated": (s.prompt_evaluated if s.prompt_evaluated is not None
+                                 else s.prompt_tokens - s.cached_tokens),
         },
     }
+    if event.choices:
+        data["choices"] = [{"index": c.index, "finish_reason": c.finish_reason, "stop": c.stop}
+                           for c in event.choices]
     if event.error is not None:
         return protocol.ERROR, {**data, **event.error}
     return protocol.DONE, data
@@ -360,6 +367,9 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
     last_token: dict[str, Outgoing] = {}
     for item in items:
         prev = last_token.get(item.request_id)
+        if (item.kind == protocol.TOKEN and prev is not None
+                and prev.data.get("index") != item.data.get("index")):
+            prev = None  # another choice of the request: its own event
         if item.kind == protocol.TOKEN and prev is not None:
             merged = {
                 "text": prev.data["text"] + item.data["text"],
@@ -368,6 +378,8 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
             }
             if "logprobs" in prev.data or "logprobs" in item.data:
                 merged["logprobs"] = prev.data.get("logprobs", []) + item.data.get("logprobs", [])
+            if "index" in item.data:
+                merged["index"] = item.data["index"]
             prev.data = merged
             continue
         out.append(item)

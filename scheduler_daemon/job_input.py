@@ -56,6 +56,7 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "cache_prompt": job.cache_prompt,
         "max_queued": max_queued,
         "deadline": _deadline(job.deadline),
+        "n": job.n,  # checked by the core (an integer of 1 to MAX_CHOICES)
     }
 
 

@@ -243,6 +243,8 @@ def takeover_of(events: list[tuple[str, dict[str, Any]]]) -> Takeover | None:
     for kind, data in events:
         if kind != protocol.TOKEN:
             continue
+        if "index" in data:
+            return None  # a choice of several: one request's replay cannot carry them on
         ids = data.get("ids")
         if not isinstance(ids, list) or len(ids) != data.get("n_tokens"):
             return None

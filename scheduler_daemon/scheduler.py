@@ -158,7 +158,8 @@ class Scheduler:
 
     # -- called from any thread ---------------------------------------------------
 
-    def check_capacity(self, cache_scope: str = "", max_queued: int | None = None) -> None:
+    def check_capacity(self, cache_scope: str = "", max_queued: int | None = None,
+                       count: int = 1) -> None:
         """Refuse when the queue is closed (``shutting_down``), full (``queue_full``) or holds
         this scope's share already (429 ``tenant_queue_full``; ``max_queued``: the scope's
         own cap, else the configured one). ``submit`` decides under its lock; callers ask
@@ -166,7 +167,7 @@ class Scheduler:
         with self.lock:
             if not self._admitting:
                 raise Refusal(errors.SHUTTING_DOWN, "the scheduler is shutting down")
-            if len(self._waiting) >= self.config.max_queue:
+            if len(self._waiting) + count > self.config.max_queue:
                 self.counters["refused_queue_full"] += 1
                 raise Refusal(
                     errors.QUEUE_FULL,
@@ -175,7 +176,7 @@ class Scheduler:
                 )
             cap = max_queued if max_queued is not None else self.config.max_queue_per_scope
             waiting = self._waiting.count(cache_scope)
-            if cap is not None and waiting >= cap:
+            if cap is not None and waiting + count > cap:
                 self.counters["refused_tenant_queue_full"] += 1
                 raise Refusal(
                     errors.TENANT_QUEUE_FULL,

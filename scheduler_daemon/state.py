@@ -139,6 +139,7 @@ class RequestStats:
     duration_ms: float
     prompt_eval_rate: float | None  # prompt tokens evaluated per second (cached ones excluded)
     generation_rate: float | None  # generated tokens per second after the first
+    prompt_evaluated: int | None = None  # prompt tokens computed (None: prompt - cached)
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,6 +151,16 @@ class TokenEvent:
     n_tokens: int
     tokens: tuple[int, ...] = ()  # the ``n_tokens`` token ids (a continuation replays them)
     logprobs: tuple[dict[str, Any], ...] = ()  # their logprobs entries, when the request asked
+    index: int | None = None  # its choice, in a request of several (n > 1); None: the only one
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    """How one choice of a request of several ended."""
+
+    index: int
+    finish_reason: str
+    stop: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +172,7 @@ class FinishedEvent:
     stats: RequestStats
     stop: str | None = None  # the stop string that ended it, if one did
     error: dict[str, Any] | None = None  # {"code", "message"} when finish_reason == "error"
+    choices: tuple[Choice, ...] = ()  # a request of several choices: each one's end
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,7 +51,7 @@ def standin():
         ({"messages": HELLO, "logit_bias": {"x": 1}}, "logit_bias", "invalid_request_error"),
         ({"messages": HELLO, "seed": -1}, "seed", "invalid_request_error"),
         ({"messages": HELLO, "stream": "yes"}, "stream", "invalid_request_error"),
-        ({"messages": HELLO, "n": 2}, "n", "invalid_request_error"),
+        ({"messages": HELLO, "n": 9}, "n", "invalid_request_error"),
         ({"messages": HELLO, "cache_prompt": 1}, "cache_prompt", "invalid_request_error"),
         ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format",
          "invalid_request_error"),

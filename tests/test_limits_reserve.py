@@ -57,6 +57,9 @@ def test_reservation_is_prompt_bytes_plus_allowances_plus_max_tokens(settings):
     assert limits.reservation(None, messages, 5) == (
         fixed + 2 * per_message + len("system") + len("Be brief.") + len("user") + 2 + 5)
     assert limits.reservation("\ud800", None, 1) == fixed + 3 + 1  # never raises
+    assert limits.reservation("héllo", None, 7, n=3) == fixed + 6 + 3 * 7  # n choices
+    # an embeddings request's inputs: texts by their bytes, token lists by their length
+    assert limits.reservation(["ab", [1, 2, 3]], None, 0) == fixed + 2 + 3
 
 
 # -- concurrency cannot overshoot ------------------------------------------------------------

@@ -71,6 +71,7 @@ TOKENIZE_KIND, DETOKENIZE_KIND = "tokenize", "detokenize"
 VOCAB_KINDS = frozenset({TOKENIZE_KIND, DETOKENIZE_KIND})
 # The most token ids one detokenize job may carry (the web and the daemon both check).
 MAX_DETOKENIZE_TOKENS = 65_536
+MAX_CHOICES = 8  # n of one request
 EMBEDDING_KIND = "embedding"
 MAX_EMBEDDING_INPUTS = 256  # inputs of one embeddings request
 EMBEDDING_N_CTX = 2048  # the embeddings context's tokens: the most one input may have
@@ -202,6 +203,7 @@ class Job:
     watched: bool = False  # the web keeps ``watch_key`` alive while a reader follows it
     retention_s: int | None = None  # its events stream's retention (None: STREAM_RETENTION_S)
     echo: bool = False  # a completion's prompt text comes back first (its ``accepted`` event)
+    n: int = 1  # choices: the prompt is prefilled once and sampled n ways (seed + index)
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""
