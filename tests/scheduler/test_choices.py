@@ -79,3 +79,11 @@ def test_n_out_of_range_is_refused_naming_it(core):
         with pytest.raises(InvalidParameter) as caught:
             core.submit(prompt="x", n=bad)
         assert caught.value.param == "n"
+
+
+def test_a_stopping_core_hands_a_request_of_several_choices_back_whole(gemma_engine):
+    """Its choices all waiting (the loop not started): one id comes back, the request's."""
+    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
+    handle = core.submit(prompt=PROMPT, n=3, params=SamplingParams.from_dict({"max_tokens": 4}))
+    assert core.stop(grace_s=0, hand_back=True) == [handle.id]
+    assert not core.scheduler.request_ids()
