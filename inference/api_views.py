@@ -98,13 +98,13 @@ class CompletionView(APIView):
                                                   idempotency.body_digest(self.kind, body))
         formatter = Formatter(self.kind, submission.request_id, submission.model,
                               submission.created, parsed.include_usage, parsed.tool_plan,
-                              parsed.n)
+                              parsed.choices)
         replay = submission if isinstance(submission, idempotency.Replay) else None
         if parsed.stream:
             return _sse_response(formatter, replay.events() if replay else
                                  service.events(submission))
-        collected = await (replay.collect(parsed.n) if replay
-                           else service.collect(submission, parsed.n))
+        collected = await (replay.collect(parsed.choices) if replay
+                           else service.collect(submission, parsed.choices))
         # Django's JsonResponse: a DRF Response is rendered on a thread (one more hop).
         response = JsonResponse(formatter.whole(collected.texts, collected.final,
                                                 collected.logprobs))

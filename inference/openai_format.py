@@ -83,7 +83,10 @@ class Formatter:
                 return [self._chunk({"role": "assistant", "content": ""}, index=i)
                         for i in range(self.n)]
             echo = event.data.get("echo")  # a completion that asked for its prompt back
-            return [self._chunk(echo, index=i) for i in range(self.n)] if echo else []
+            if not echo:
+                return []
+            return [self._chunk(echo if isinstance(echo, str) else str(echo[i]), index=i)
+                    for i in range(self.n) if isinstance(echo, str) or i < len(echo)]
         if event.kind == protocol.TOKEN:
             index = event.data.get("index") or 0
             text = event.data.get("text", "")

@@ -96,6 +96,12 @@ class ParsedRequest:
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
     echo: bool = False  # a completion's prompt text first in its reply
     n: int = 1  # choices (prefilled once, sampled n ways)
+    prompts: list[str | list[int]] | None = None  # a completion's several prompts
+
+    @property
+    def choices(self) -> int:
+        """How many choices the reply has: n for each prompt."""
+        return self.n * (len(self.prompts) if self.prompts else 1)
 
     def job(self, request_id: str, tenant_id: str,
             max_queued: int | None = None) -> protocol.Job:
@@ -112,6 +118,7 @@ class ParsedRequest:
             watched=settings.RESUME_GRACE_S > 0,  # readers keep its watch key (inference/watch.py)
             echo=self.echo,
             n=self.n,
+            prompts=self.prompts,
         )
 
 
@@ -173,8 +180,15 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         parsed.messages = _messages(body.get("messages"))
         parsed.tool_plan = _tool_plan(body)
     else:
-        parsed.prompt = _prompt(body.get("prompt"))
+        prompt = _prompt(body.get("prompt"))
+        if isinstance(prompt, tuple):  # several prompts
+            parsed.prompts = list(prompt)
+        else:
+            parsed.prompt = prompt
         parsed.echo = _bool(body, "echo", False)
+    if parsed.choices > protocol.MAX_CHOICES:
+        raise invalid("n" if parsed.prompts is None else "prompt",
+                      f"At most {protocol.MAX_CHOICES} choices in all (prompts x n).")
     parsed.params = _sampling(_chat_logprobs(body) if kind == CHAT else body)
     if parsed.echo and parsed.params.get("logprobs") is not None:
         raise invalid("echo", "echo with logprobs is not built here (it needs the prompt's "
@@ -391,11 +405,27 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return [{"role": role, "content": text} for role, text in pairs]
 
 
-def _prompt(value: Any) -> str | list[int]:
+def _prompt(value: Any) -> str | list[int] | tuple[str | list[int], ...]:
+    """A string, token ids, or (a tuple) several of them: OpenAI's batch forms."""
     if value is None:
         raise invalid("prompt", "prompt is required.", "missing_required_parameter")
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]  # OpenAI's batch form with a single prompt
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        items: list[str | list[int]] = []
+        for i, item in enumerate(value):
+            where = f"prompt[{i}]"
+            if isinstance(item, str) and item:
+                items.append(_text(where, item))
+            elif isinstance(item, list) and item and all(type(t) is int and t >= 0
+                                                         for t in item):
+                items.append(item)
+            else:
+                raise invalid(where, f"{where} must be a non-empty string or list of token "
+                                     "ids.")
+        total = sum(len(p.encode("utf-8")) for p in items if isinstance(p, str))
+        _check_size("prompt", total)
+        return items[0] if len(items) == 1 else tuple(items)
     if isinstance(value, str):
         if not value:
             raise invalid("prompt", "prompt must not be empty.", "empty_prompt")

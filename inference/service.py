@@ -151,7 +151,8 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     # a vocabulary request generates nothing (its reservation: the prompt's bound alone)
     generates = parsed.kind not in protocol.VOCAB_KINDS | {protocol.EMBEDDING_KIND}
     completion = parsed.params.get("max_tokens") if generates else 0
-    reserve = limits.reservation(parsed.prompt, parsed.messages, completion, parsed.n)
+    reserve = limits.reservation(parsed.prompts or parsed.prompt, parsed.messages, completion,
+                                 parsed.choices)
     try:
         limits.admit_key_sync(api_key, request_id, reserve=reserve)
     except redis.RedisError as exc:
@@ -394,8 +395,10 @@ async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent |
                 parts[index].append(event.data.get("text", ""))
                 logprobs[index] += event.data.get("logprobs") or ()
             elif event.kind == protocol.ACCEPTED and event.data.get("echo"):
-                for choice in parts:  # a continuation's accepted has none
-                    choice.insert(0, event.data["echo"])
+                echo = event.data["echo"]  # a continuation's accepted has none
+                for i, choice in enumerate(parts):  # one text for all, or each choice's
+                    if isinstance(echo, str) or i < len(echo):
+                        choice.insert(0, echo if isinstance(echo, str) else str(echo[i]))
             elif event.is_terminal:
                 return Collected(["".join(p) for p in parts], event, logprobs)
     return None

@@ -303,6 +303,7 @@ class InferenceCore:
         deadline: float | None = None,
         since: float | None = None,
         n: int = 1,
+        prompts: list[Any] | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -312,10 +313,17 @@ class InferenceCore:
         what a dead daemon had generated for it (``state.Continuation``); ``since`` (unix
         seconds): when it was first queued, for its timings. ``n`` > 1: that many choices,
         each a request of the scheduler's with the same prompt (prefilled once: the
-        followers copy the leader's cells) and its own sampler (seed + index)."""
+        followers copy the leader's cells) and its own sampler (seed + index). ``prompts``
+        (instead of ``prompt``): a completion's several prompts, ``n`` choices each (choice
+        ``p * n + j``), at most MAX_CHOICES choices in all."""
         if type(n) is not int or not 1 <= n <= protocol.MAX_CHOICES:
             raise InvalidParameter("n", f"must be an integer from 1 to {protocol.MAX_CHOICES}")
-        if n > 1 and continuation is not None:
+        if prompts is not None:
+            if (not isinstance(prompts, list) or not prompts or prompt is not None
+                    or messages is not None or len(prompts) * n > protocol.MAX_CHOICES):
+                raise InvalidParameter("prompt", f"a list of prompts gives at most "
+                                       f"{protocol.MAX_CHOICES} choices (prompts x n)")
+        if (n > 1 or prompts is not None) and continuation is not None:
             raise InvalidParameter("n", "a request of several choices cannot be continued")
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
@@ -327,11 +335,23 @@ class InferenceCore:
             raise InvalidParameter("cache_scope", "must be a string")
         if session is not None and not isinstance(session, str):
             raise InvalidParameter("session", "must be a string")
-        self.scheduler.check_capacity(cache_scope, max_queued, n)  # refuse before tokenizing
+        choices = n * (len(prompts) if prompts is not None else 1)
+        self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
+        if prompts is not None:
+            self._check_size(sum(_utf8_len(p, "prompt") for p in prompts if isinstance(p, str)),
+                             "prompt")
+            each = [self._prompt_item(p, f"prompt[{i}]") for i, p in enumerate(prompts)]
+            return self._enqueue_choices(
+                [tokens for tokens in each for _ in range(n)], sum(len(t) for t in each),
+                request_id or uuid.uuid4().hex, handle, params or SamplingParams(),
+                dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
+                     arrival=arrival, max_queued=max_queued,
+                     deadline=None if deadline is None else now + (deadline - time.time())))
         tokens = self.prompt_tokens(prompt, messages)
         if n > 1:
             return self._enqueue_choices(
-                n, request_id or uuid.uuid4().hex, handle, tokens, params or SamplingParams(),
+                [tokens] * n, len(tokens), request_id or uuid.uuid4().hex, handle,
+                params or SamplingParams(),
                 dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
                      arrival=arrival, max_queued=max_queued,
                      deadline=None if deadline is None else now + (deadline - time.time())))
@@ -383,11 +403,24 @@ class InferenceCore:
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
-    def _enqueue_choices(self, n: int, request_id: str, handle: RequestHandle | None,
-                         tokens: list[int], params: SamplingParams,
+    def _prompt_item(self, item: Any, field: str) -> list[int]:
+        """One prompt of a list of prompts: text or token ids, not empty."""
+        if isinstance(item, str) and item:
+            return self._tokenize(item, field)
+        if isinstance(item, list) and item and all(type(t) is int for t in item):
+            if any(not 0 <= t < self.engine.n_vocab for t in item):
+                raise InvalidParameter(field, "token ids must be within the vocabulary")
+            return list(item)
+        raise InvalidParameter(field, "must be a non-empty string or list of token ids")
+
+    def _enqueue_choices(self, prompts: list[list[int]], prompt_tokens: int, request_id: str,
+                         handle: RequestHandle | None, params: SamplingParams,
                          common: dict[str, Any]) -> int:
-        """Queue the n choices of one request (see ``enqueue``)."""
-        group = ChoiceGroup(request_id, n, len(tokens))
+        """Queue the choices of one request, one per prompt in ``prompts`` (see
+        ``enqueue``); ``prompt_tokens``: what the request's usage counts (each distinct
+        prompt once)."""
+        n = len(prompts)
+        group = ChoiceGroup(request_id, n, prompt_tokens)
         with self.scheduler.lock:
             if request_id in self._handles or request_id in self._groups or any(
                     f"{request_id}#{i}" in self.scheduler.request_ids() for i in range(n)):
@@ -401,7 +434,7 @@ class InferenceCore:
         try:
             for i in range(n):
                 seed = None if params.seed is None else (params.seed + i) % (2**32 - 1)
-                self.scheduler.submit(Request(id=f"{request_id}#{i}", prompt_tokens=tokens,
+                self.scheduler.submit(Request(id=f"{request_id}#{i}", prompt_tokens=prompts[i],
                                               params=dataclasses.replace(params, seed=seed),
                                               **common))
                 submitted.append(f"{request_id}#{i}")
@@ -417,7 +450,7 @@ class InferenceCore:
             for sibling in submitted:
                 self.scheduler.cancel(sibling)  # their ends come later and go nowhere
             raise
-        return len(tokens)
+        return prompt_tokens
 
     def _parents_handed_back(self, ids: list[str]) -> list[str]:
         """Handed-back ids as the daemon's requests: a choice hands its whole request back

@@ -113,7 +113,7 @@ class EventWriter:
             self._buffer.held.pop(request_id, None)
 
     def accepted(self, request_id: str, entry_id: str, prompt_tokens: int,
-                 echo: str | None = None) -> None:
+                 echo: str | list[str] | None = None) -> None:
         """Queue ``accepted``, then the events held since ``hold``; the job's entry is
         acknowledged with its terminal event. A continued request's ``accepted`` says
         ``resumed`` (the web follows the new daemon and sends the client nothing for it).

@@ -292,7 +292,10 @@ class Intake:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
             return
-        echo = self.core.prompt_text(job.prompt) if job.echo and job.kind == "completion" else None
+        echo: str | list[str] | None = None
+        if job.echo and job.kind == "completion":  # each choice's own prompt, as text
+            echo = (self.core.prompt_text(job.prompt) if job.prompts is None else
+                    [self.core.prompt_text(p) for p in job.prompts for _ in range(job.n)])
         self.writer.accepted(job.id, entry_id, prompt_tokens, echo)
         for listener in self.started:
             listener(job)

@@ -38,7 +38,7 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
     if job.kind not in KINDS:
         raise InvalidParameter("kind", f"must be one of {list(KINDS)}")
     chat = job.kind == "chat"
-    if (job.messages if chat else job.prompt) is None:
+    if (job.messages if chat else (job.prompt if job.prompts is None else job.prompts)) is None:
         raise InvalidParameter("messages" if chat else "prompt", f"a {job.kind} job needs it")
     _check_type("cache_scope", job.cache_scope, str)
     _check_type("session", job.session, str, optional=True)
@@ -57,6 +57,7 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "max_queued": max_queued,
         "deadline": _deadline(job.deadline),
         "n": job.n,  # checked by the core (an integer of 1 to MAX_CHOICES)
+        "prompts": job.prompts if not chat else None,  # checked by the core as well
     }
 
 

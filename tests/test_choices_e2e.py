@@ -75,3 +75,41 @@ def test_n_out_of_range_is_a_400(web, chat, n):
         client(web).chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2,
                                             extra_body={"n": n})
     assert caught.value.body["param"] == "n"
+
+
+def test_a_prompt_array_gives_one_choice_per_prompt_in_order(web, daemon):
+    prompts = ["The capital of France is", "One, two, three,", "Roses are red,"]
+    api = client(web)
+    reply = api.completions.create(model=daemon.model, prompt=prompts, max_tokens=4,
+                                   temperature=0, echo=True)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for prompt, choice in zip(prompts, reply.choices):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    singles = [api.completions.create(model=daemon.model, prompt=p, max_tokens=4, temperature=0)
+               for p in prompts]
+    assert reply.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert reply.usage.completion_tokens == 12
+    two_each = api.completions.create(model=daemon.model, prompt=prompts[:2], max_tokens=2,
+                                      temperature=1.0, seed=4, n=2)
+    assert [c.index for c in two_each.choices] == [0, 1, 2, 3]  # prompt p, choice j: p*n + j
+
+
+def test_a_prompt_array_streams_by_index(web, daemon):
+    stream = client(web).completions.create(model=daemon.model, prompt=["Hello", [651, 5866]],
+                                            max_tokens=3, temperature=0, stream=True)
+    seen = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            seen.setdefault(choice.index, "")
+            seen[choice.index] += choice.text
+    assert set(seen) == {0, 1} and all(seen.values())
+
+
+@pytest.mark.parametrize("prompt, param", [
+    (["a", ""], "prompt[1]"), (["a", []], "prompt[1]"), (["a"] * 9, "prompt"),
+    (["a", [-1]], "prompt[1]"), (["a", 5], "prompt"),
+])
+def test_bad_prompt_arrays_are_400s(web, daemon, prompt, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(web).completions.create(model=daemon.model, prompt=prompt, max_tokens=2)
+    assert caught.value.body["param"] == param

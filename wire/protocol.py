@@ -204,6 +204,7 @@ class Job:
     retention_s: int | None = None  # its events stream's retention (None: STREAM_RETENTION_S)
     echo: bool = False  # a completion's prompt text comes back first (its ``accepted`` event)
     n: int = 1  # choices: the prompt is prefilled once and sampled n ways (seed + index)
+    prompts: list[Any] | None = None  # a completion's several prompts (then ``prompt`` is None)
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""
