@@ -141,7 +141,7 @@ class VocabularyView(APIView):
     async def post(self, request: Request) -> JsonResponse:
         parsed = parse_vocab_request(self.kind, _json_body(request))
         submission = await service.submit(request.auth, parsed)
-        response = JsonResponse(service.vocab_answer(submission))
+        response = JsonResponse(service.vocab_answer(await service.vocab_end(submission)))
         response["X-Request-Id"] = submission.request_id
         return response
 
@@ -157,8 +157,9 @@ class EmbeddingsView(APIView):
     async def post(self, request: Request) -> JsonResponse:
         parsed, encoding = parse_embeddings_request(_json_body(request))
         submission = await service.submit(request.auth, parsed)
-        result = service.vocab_answer(submission)
-        usage = submission.first.data.get("usage") or {}
+        end = await service.vocab_end(submission)
+        result = service.vocab_answer(end)
+        usage = end.data.get("usage") or {}
         response = JsonResponse(embeddings_body(submission.model, result["vectors"], encoding,
                                                 int(usage.get("prompt_tokens") or 0)))
         response["X-Request-Id"] = submission.request_id

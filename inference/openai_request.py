@@ -229,7 +229,8 @@ def parse_vocab_request(kind: str, body: Any) -> ParsedRequest:
         if name not in _VOCAB_FIELDS[kind]:
             raise invalid(name, f"Unrecognized request argument supplied: {name}",
                           "unknown_parameter")
-    parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
+    parsed = ParsedRequest(kind=kind, model=_model(body.get("model")),
+                           retention_s=protocol.ANSWER_RETENTION_S)  # its answer is read once
     if kind == TOKENIZE:
         content = body.get("content")
         if content is None:
@@ -273,7 +274,8 @@ def parse_embeddings_request(body: Any) -> tuple[ParsedRequest, str]:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid("encoding_format", 'encoding_format must be "float" or "base64".')
-    parsed = ParsedRequest(kind=EMBEDDING, model=_model(body.get("model")))
+    parsed = ParsedRequest(kind=EMBEDDING, model=_model(body.get("model")),
+                           retention_s=protocol.ANSWER_RETENTION_S)  # its answer is read once
     parsed.session = _session(body)
     value = body.get("input")
     if value is None:
@@ -294,6 +296,13 @@ def parse_embeddings_request(body: Any) -> tuple[ParsedRequest, str]:
         elif not (isinstance(item, list) and item
                   and all(type(t) is int and t >= 0 for t in item)):
             raise invalid(where, f"{where} must be a non-empty string or list of token ids.")
+        elif len(item) > protocol.EMBEDDING_N_CTX:
+            raise ApiError(CONTEXT_LENGTH_EXCEEDED, f"{where} has {len(item)} tokens; an input "
+                           f"has at most {protocol.EMBEDDING_N_CTX}.", where)
+    ids = sum(len(item) for item in value if isinstance(item, list))
+    if ids > protocol.MAX_EMBEDDING_TOKENS:
+        raise ApiError(CONTEXT_LENGTH_EXCEEDED, f"input has {ids} tokens; a request has at most "
+                       f"{protocol.MAX_EMBEDDING_TOKENS}.", "input")
     _check_size("input", size)
     parsed.prompt = value
     return parsed, encoding

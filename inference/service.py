@@ -210,17 +210,31 @@ async def _wait_first_read(request_id: str, model: str,
             raise unavailable(model)
 
 
-def vocab_answer(submission: Submission) -> dict[str, Any]:
-    """A tokenize/detokenize request's answer: its one ``done`` event's ``result``. A
-    request cancelled before it ran (or any end without a result) is an ApiError."""
-    first = submission.first
-    metrics.observe_end(first.data, first.kind)
-    result = first.data.get("result") if first.kind == protocol.DONE else None
+def vocab_answer(end: StreamEvent) -> dict[str, Any]:
+    """A tokenize/detokenize/embeddings request's answer: its ``done`` event's ``result``.
+    An error end is its ApiError; one cancelled before its answer is 409
+    ``request_cancelled``."""
+    if end.kind == protocol.ERROR:
+        raise ApiError.from_event(end.data)
+    result = end.data.get("result") if end.kind == protocol.DONE else None
     if not isinstance(result, dict):
-        reason = first.data.get("finish_reason")
+        reason = end.data.get("finish_reason")
+        if reason == "cancelled":
+            raise ApiError(errors.CANCELLED, "The request was cancelled before its answer.")
         raise ApiError(errors.INTERNAL_ERROR, f"The request ended without an answer "
                        f"(finish_reason {reason!r}).")
     return result
+
+
+async def vocab_end(submission: Submission) -> StreamEvent:
+    """The terminal event of a request with one answer: the first event (tokenize), or the
+    one after ``accepted`` (embeddings, computed in the daemon's loop), followed like any
+    request's (a dead daemon, the backstop deadline, a client that goes away)."""
+    if submission.first.is_terminal:
+        metrics.observe_end(submission.first.data, submission.first.kind)
+        return submission.first
+    collected = await collect(submission)
+    return collected.final
 
 
 async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:

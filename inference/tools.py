@@ -184,7 +184,11 @@ def read_reply(text: str, mode: str) -> tuple[str | None, list[dict[str, Any]]]:
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)
             and "parameters" in value):
         return text, []
-    arguments = json.dumps(value["parameters"], ensure_ascii=False, separators=(",", ":"))
+    try:  # 1e999 parses as inf, which strict JSON cannot hold: such text stays content
+        arguments = json.dumps(value["parameters"], ensure_ascii=False, separators=(",", ":"),
+                               allow_nan=False)
+    except ValueError:
+        return text, []
     call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": value["name"], "arguments": arguments}}
     return None, [call]

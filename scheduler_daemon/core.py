@@ -41,6 +41,7 @@ from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
+from .engine_api import normalized
 from .scheduler import Scheduler, SchedulerConfig
 from .state import (
     Choice,
@@ -100,10 +101,17 @@ class ChoiceGroup:
 
 @dataclass(slots=True)
 class EmbeddingJob:
+    """An embeddings request in the loop: its inputs, how far each is, its end."""
+
     request_id: str
     inputs: list[list[int]]
     done: Callable[[list[Any] | None, BaseException | None], None]
-    vectors: list[Any] = field(default_factory=list)
+    deadline: float | None = None  # monotonic; past it the job ends with ``timeout``
+    scope: str = ""  # its tenant (the queue's per-tenant share)
+    cancelled: bool = False
+    started: int = 0  # inputs begun
+    open: dict[int, list[Any]] = field(default_factory=dict)  # input -> [seq, pos, sum]
+    vectors: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -164,6 +172,7 @@ class InferenceCore:
         self.embeddings = embeddings
         self._embedding_jobs: collections.deque[EmbeddingJob] = collections.deque()
         self._embedding_lock = threading.Lock()
+        self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
         self.max_prompt_bytes = max_prompt_bytes
         self._abort_ids: set[str] = set()  # test-only fault hook (FAULT_INJECTION)
         self.chat = ChatRenderer(engine, chat_template)
@@ -245,8 +254,10 @@ class InferenceCore:
             self.scheduler.cancel_all()
         while self.scheduler.has_work() and self._thread and self._thread.is_alive():
             time.sleep(0.01)
-        while self._embedding_jobs and self._thread and self._thread.is_alive():
-            time.sleep(0.01)  # short: each is a few decodes, and they were accepted
+        while (self._embedding_jobs and self._thread and self._thread.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        handed_back += self._end_embeddings(hand_back)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -262,10 +273,19 @@ class InferenceCore:
                 if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
                     log.critical("fault injection: aborting the process")
                     os.abort()
-                embedded = self._embed_one_batch()  # between ticks, on this thread
-                if self.scheduler.has_work():
+                generating = self.scheduler.has_work()
+                embedded = False
+                if self._embedding_jobs and (not generating or self._embed_owed_s <= 0):
+                    t0 = time.monotonic()  # between ticks, on this thread
+                    embedded = self._embed_one_batch()
+                    self._embed_owed_s += time.monotonic() - t0
+                if generating:
+                    t0 = time.monotonic()
                     self.scheduler.step()
+                    # generation and embeddings take turns by time when both have work
+                    self._embed_owed_s = max(-1.0, self._embed_owed_s - (time.monotonic() - t0))
                 elif not embedded:
+                    self._embed_owed_s = 0.0
                     self.scheduler.wait_for_work(0.25)
                 failures = 0
             except Exception as exc:
@@ -502,7 +522,7 @@ class InferenceCore:
         self._check_size(sum(_utf8_len(t, "input") for t in inputs if isinstance(t, str)),
                          "input")
         limit = min(protocol.EMBEDDING_N_CTX, self.engine.n_ctx)
-        out = []
+        out: list[list[int]] = []
         for i, item in enumerate(inputs):
             where = f"input[{i}]"
             if isinstance(item, str):
@@ -520,51 +540,132 @@ class InferenceCore:
                               f"{where} is {len(tokens)} tokens; an input has at most {limit}",
                               param=where, prompt_tokens=len(tokens), n_ctx=limit)
             out.append(tokens)
+            total = sum(len(t) for t in out)
+            if total > protocol.MAX_EMBEDDING_TOKENS:
+                raise Refusal(errors.CONTEXT_LENGTH_EXCEEDED,
+                              f"input has more than {protocol.MAX_EMBEDDING_TOKENS} tokens; a "
+                              "request has at most that many", param="input",
+                              max_tokens=protocol.MAX_EMBEDDING_TOKENS)
         return out
 
     def submit_embeddings(self, request_id: str, inputs: list[list[int]],
-                          done: Callable[[list[Any] | None, BaseException | None], None]
-                          ) -> None:
+                          done: Callable[[list[Any] | None, BaseException | None], None],
+                          deadline: float | None = None, scope: str = "") -> None:
         """Queue an embeddings job for the loop thread: ``done(vectors, None)`` with one
-        normalized float32 vector per input in order, or ``done(None, exc)``. Each loop
-        turn embeds one batch (its inputs, up to the context), then runs a tick: a large
-        job does not hold up generation."""
+        normalized float32 vector per input in order, or ``done(None, exc)`` (a
+        ``Refusal`` for a cancel or a deadline). Each loop turn decodes one batch of the
+        oldest job (at most the embedder's ``n_batch`` tokens) and generation and
+        embeddings take turns by time; ``deadline``: unix seconds. Refused with
+        ``queue_full`` when MAX_QUEUE jobs wait, ``tenant_queue_full`` past the scope's
+        share (MAX_QUEUE_PER_TENANT). The jobs run in order (not round-robin by tenant)."""
+        config = self.scheduler.config
         with self._embedding_lock:
-            self._embedding_jobs.append(EmbeddingJob(request_id, inputs, done))
+            if len(self._embedding_jobs) >= config.max_queue:
+                raise Refusal(errors.QUEUE_FULL, "the embeddings queue is full",
+                              max_queue=config.max_queue)
+            mine = sum(job.scope == scope for job in self._embedding_jobs)
+            if config.max_queue_per_scope is not None and mine >= config.max_queue_per_scope:
+                raise Refusal(errors.TENANT_QUEUE_FULL, f"this tenant already has {mine} "
+                              "embeddings requests waiting", max_queued=config.max_queue_per_scope,
+                              retry_after_s=1)
+            due = None if deadline is None else time.monotonic() + (deadline - time.time())
+            self._embedding_jobs.append(EmbeddingJob(request_id, inputs, done, due, scope=scope))
         self.scheduler.wake()
 
+    def _cancel_embeddings(self, request_id: str) -> bool:
+        with self._embedding_lock:
+            for job in self._embedding_jobs:
+                if job.request_id == request_id:
+                    job.cancelled = True
+                    self.scheduler.wake()
+                    return True
+        return False
+
     def _embed_one_batch(self) -> bool:
-        """One batch of the oldest embeddings job (on the loop thread); False if none."""
+        """One decode for the oldest embeddings job (on the loop thread); False if none.
+        Open inputs go on first, then new ones while the batch has room; an input longer
+        than the batch goes over several decodes."""
         with self._embedding_lock:
             job = self._embedding_jobs[0] if self._embedding_jobs else None
         if job is None:
             return False
+        error: BaseException | None = None
+        embedder = None
         try:
-            embedder = self.engine.embedder()
-            batch, tokens = [], 0
-            for item in job.inputs[len(job.vectors):]:
-                if batch and (len(batch) >= embedder.n_seq_max
-                              or tokens + len(item) > embedder.n_ctx):
+            if job.cancelled:
+                raise Refusal(errors.CANCELLED, "The request was cancelled.")
+            if job.deadline is not None and time.monotonic() > job.deadline:
+                raise Refusal(errors.TIMEOUT, "The request ran past its time limit.")
+            embedder = self.engine.embedder(n_ctx=protocol.EMBEDDING_N_CTX)
+            pieces, owners, room = [], [], embedder.n_batch
+            for index in sorted(job.open):
+                if room <= 0:
                     break
-                batch.append(item)
-                tokens += len(item)
-            job.vectors += embedder.embed(batch)
-            finished, error = len(job.vectors) == len(job.inputs), None
+                seq, pos, _ = job.open[index]
+                take = job.inputs[index][pos:pos + room]
+                pieces.append((seq, take, pos))
+                owners.append(index)
+                room -= len(take)
+            free = sorted(set(range(embedder.n_seq_max)) - {o[0] for o in job.open.values()})
+            while room > 0 and free and job.started < len(job.inputs):
+                index, seq = job.started, free.pop(0)
+                job.started += 1
+                job.open[index] = [seq, 0, None]
+                take = job.inputs[index][:room]
+                pieces.append((seq, take, 0))
+                owners.append(index)
+                room -= len(take)
+            for index, total in zip(owners, embedder.decode(pieces)):
+                state = job.open[index]
+                state[1] += len(pieces[owners.index(index)][1])
+                state[2] = total if state[2] is None else state[2] + total
+                if state[1] == len(job.inputs[index]):
+                    job.vectors[index] = normalized(state[2], state[1])
+                    embedder.forget(state[0])
+                    del job.open[index]
+            if len(job.vectors) < len(job.inputs):
+                return True
         except Exception as exc:  # this job alone fails
-            log.exception("embeddings of request %s failed", job.request_id)
-            finished, error = True, exc
-        if finished:
-            with self._embedding_lock:
-                self._embedding_jobs.popleft()
-            job.done(None if error else job.vectors, error)
+            if not isinstance(exc, Refusal):
+                log.exception("embeddings of request %s failed", job.request_id)
+            error = exc
+        with self._embedding_lock:
+            self._embedding_jobs.popleft()
+        if embedder is not None:
+            embedder.clear()  # the next job starts on empty cells
+        vectors = None if error else [job.vectors[i] for i in range(len(job.inputs))]
+        self._end_embedding(job, vectors, error)
         return True
+
+    def _end_embedding(self, job: EmbeddingJob, vectors: list[Any] | None,
+                       error: BaseException | None) -> None:
+        try:
+            job.done(vectors, error)
+        except Exception:  # the callback writes the end: it must not fail the loop
+            log.exception("ending the embeddings of request %s failed", job.request_id)
+
+    def _end_embeddings(self, hand_back: bool) -> list[str]:
+        """At stop, past the grace: the jobs left are handed back (their ids; nothing was
+        sent but ``accepted``), or end with ``shutting_down``."""
+        with self._embedding_lock:
+            left = list(self._embedding_jobs)
+            self._embedding_jobs.clear()
+        if hand_back:
+            return [job.request_id for job in left]
+        for job in left:
+            self._end_embedding(job, None, Refusal(errors.SHUTTING_DOWN,
+                                                   "The daemon stopped before it finished."))
+        return []
 
     def prompt_text(self, prompt: str | list[int] | None) -> str:
         """A completion's prompt as text (``echo``): the string, or its token ids' pieces
         (control tokens render as nothing)."""
         if isinstance(prompt, str):
             return prompt
-        raw = b"".join(self.engine.token_bytes(t) for t in prompt or ())
+        if not isinstance(prompt, list) or not all(
+                type(t) is int and 0 <= t < self.engine.n_vocab for t in prompt):
+            raise InvalidParameter("prompt", "token ids must be within the vocabulary")
+        raw = b"".join(self.engine.token_bytes(t) for t in prompt)
         return raw.decode("utf-8", errors="replace")
 
     def vocabulary_answer(self, kind: str, prompt: Any, options: Any) -> dict[str, Any]:
@@ -626,7 +727,7 @@ class InferenceCore:
         if group is not None:
             results = [self.scheduler.cancel(f"{request_id}#{i}") for i in range(group.n)]
             return any(results)
-        return self.scheduler.cancel(request_id)
+        return self.scheduler.cancel(request_id) or self._cancel_embeddings(request_id)
 
     def snapshot(self) -> dict[str, Any]:
         return {**self.scheduler.snapshot(), "embeddings": self.embeddings}

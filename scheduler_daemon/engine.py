@@ -146,18 +146,26 @@ class _Batch:
 
 
 class Embedder:
-    """A second llama.cpp context over an engine's model, for embeddings: ``embeddings``
-    on, mean pooling, every sequence of a batch in one ubatch. Made on the scheduler's loop
-    thread and decoded there only (one OpenMP team: ``LlamaEngine.decode``'s rule)."""
+    """A second llama.cpp context over an engine's model, for embeddings. Made on the
+    scheduler's loop thread and decoded there only (one OpenMP team: ``LlamaEngine.decode``'s
+    rule).
 
-    def __init__(self, engine: LlamaEngine, n_ctx: int, n_seq_max: int) -> None:
+    This llama.cpp computes the LM head and keeps ``n_vocab`` logits for every output token
+    of an embeddings context (1 MB per token for Gemma's 262k vocabulary), and pooled
+    embeddings make every token an output. So a decode takes at most ``n_batch`` tokens
+    (128: ~134 MB of logits for Gemma), pooling is off, and the mean over an input's tokens
+    is ours, summed chunk by chunk: an input longer than one decode goes over several, its
+    sequence's cells kept between them (up to ``n_ctx`` tokens per input)."""
+
+    def __init__(self, engine: LlamaEngine, n_ctx: int, n_batch: int, n_seq_max: int) -> None:
         params = lc.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
         params.n_threads = params.n_threads_batch = engine._n_threads
         params.embeddings = True
-        params.pooling_type = lc.LLAMA_POOLING_TYPE_MEAN
-        params.kv_unified = True  # the batch's sequences share the n_ctx cells
+        params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE  # the mean is ours (see above)
+        params.kv_unified = True  # the open inputs share the n_ctx cells
         params.no_perf = True
         self._engine = engine
         self._ctx = lc.llama_init_from_model(engine._model, params)
@@ -165,37 +173,45 @@ class Embedder:
             raise EngineError("llama.cpp could not create the embeddings context")
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = min(lc.llama_n_batch(self._ctx), lc.llama_n_ubatch(self._ctx), self.n_ctx)
         self.n_seq_max = lc.llama_n_seq_max(self._ctx)
         self.n_embd = int(lc.llama_model_n_embd(engine._model))
-        self._batch = _Batch(self.n_ctx)
+        self._batch = _Batch(self.n_batch)
         self._positions = np.arange(self.n_ctx, dtype=np.int32)
 
-    def embed(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """One decode over the inputs (each a sequence of its own; together at most
-        ``n_ctx`` tokens and ``n_seq_max`` inputs): their mean-pooled, L2-normalized
-        embeddings, in order."""
-        if len(inputs) > self.n_seq_max or sum(len(t) for t in inputs) > self.n_ctx:
-            raise ValueError("the inputs do not fit one embeddings batch")
-        if any(not t for t in inputs):
-            raise ValueError("an input has no tokens")
-        rows = [BatchRow(seq_id=i, tokens=list(t), pos0=0, logits=True)
-                for i, t in enumerate(inputs)]
+    def decode(self, pieces: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """One decode of ``pieces`` (seq id, tokens, first position; at most ``n_batch``
+        tokens in all, positions within ``n_ctx``): each piece's sum of its tokens'
+        embeddings (float64), in order."""
+        n = sum(len(tokens) for _, tokens, _ in pieces)
+        if not 0 < n <= self.n_batch or any(
+                not 0 <= seq < self.n_seq_max or pos0 + len(tokens) > self.n_ctx or not tokens
+                for seq, tokens, pos0 in pieces):
+            raise ValueError("the pieces do not fit one embeddings decode")
+        rows = [BatchRow(seq_id=seq, tokens=list(tokens), pos0=pos0, logits=True)
+                for seq, tokens, pos0 in pieces]
         self._batch.fill(rows, self._positions)
-        self._batch.logits[: self._batch.struct.n_tokens] = 1  # pooling reads every token
-        lc.llama_memory_clear(self._mem, True)
+        self._batch.logits[:n] = 1  # every token's embedding is summed
         self._engine._check_compute_thread()
         rc = int(lc.llama_decode(self._ctx, self._batch.struct))
         if rc != DECODE_OK:
             raise EngineError(f"llama_decode of an embeddings batch returned {rc}")
-        out = []
-        for i in range(len(inputs)):
-            ptr = lc.llama_get_embeddings_seq(self._ctx, i)
-            if not ptr:
-                raise EngineError("llama.cpp gave no pooled embedding")
-            vector = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype(np.float32)
-            norm = float(np.linalg.norm(vector))
-            out.append(vector / norm if norm > 0 else vector)
-        return out
+        ptr = lc.llama_get_embeddings(self._ctx)
+        if not ptr:
+            raise EngineError("llama.cpp gave no embeddings")
+        rows_out = np.ctypeslib.as_array(ptr, shape=(n, self.n_embd))
+        sums, offset = [], 0
+        for _, tokens, _ in pieces:
+            sums.append(rows_out[offset:offset + len(tokens)].sum(axis=0, dtype=np.float64))
+            offset += len(tokens)
+        return sums
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished input's cells."""
+        lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
@@ -269,12 +285,13 @@ class LlamaEngine:
         params.no_perf = True
         return params
 
-    def embedder(self, n_ctx: int = 2048, n_seq_max: int = 16) -> Embedder:
+    def embedder(self, n_ctx: int = 2048, n_batch: int = 128, n_seq_max: int = 16) -> Embedder:
         """The embeddings context, made on first use (on the calling thread: the loop's)."""
         if getattr(self, "_embedder", None) is None:
-            self._embedder = Embedder(self, min(n_ctx, self.n_ctx), n_seq_max)
-            log.info("embeddings context ready: n_ctx=%d n_seq_max=%d n_embd=%d",
-                     self._embedder.n_ctx, self._embedder.n_seq_max, self._embedder.n_embd)
+            self._embedder = Embedder(self, min(n_ctx, self.n_ctx), n_batch, n_seq_max)
+            log.info("embeddings context ready: n_ctx=%d n_batch=%d n_seq_max=%d n_embd=%d",
+                     self._embedder.n_ctx, self._embedder.n_batch, self._embedder.n_seq_max,
+                     self._embedder.n_embd)
         return self._embedder
 
     def close(self) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 # llama_decode's own return codes, named.
 DECODE_OK = 0
@@ -35,3 +38,13 @@ class RowFailed(Exception):
     def __init__(self, message: str, code: str = "engine_error", param: str | None = None):
         super().__init__(message)
         self.code, self.param = code, param
+
+
+def normalized(total: np.ndarray, count: int) -> np.ndarray:
+    """The mean of ``count`` summed embeddings, L2-normalized, as float32; ``ValueError``
+    if it is not finite (a broken row must not reach a client as NaN)."""
+    mean = total / max(count, 1)
+    norm = float(np.linalg.norm(mean))
+    if not math.isfinite(norm) or not np.isfinite(mean).all():
+        raise ValueError("the embedding is not finite")
+    return (mean / norm if norm > 0 else mean).astype(np.float32)

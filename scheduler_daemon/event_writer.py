@@ -138,8 +138,11 @@ class EventWriter:
             self._cond.notify()
 
     def terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
-        """Queue the end of a request the core never ran (a refusal, a recovery's verdict)."""
+        """Queue the end of a request the core never ran (a refusal, a recovery's verdict,
+        an answer of the intake or of an embeddings job)."""
         with self._cond:
+            self._entries.pop(request_id, None)  # acknowledged with this end
+            self._streaming.discard(request_id)
             self._buffer.items.append(Outgoing(request_id, kind, data, entry_id))
             self._buffer.urgent = True
             self._cond.notify()

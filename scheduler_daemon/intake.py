@@ -282,6 +282,10 @@ class Intake:
         if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
             self.core.abort_process_when_running(job.id)  # test-only: before its first tick
         try:
+            echo: str | list[str] | None = None
+            if job.echo and job.kind == "completion":  # each choice's own prompt, as text
+                echo = (self.core.prompt_text(job.prompt) if job.prompts is None else
+                        [self.core.prompt_text(p) for p in job.prompts for _ in range(job.n)])
             continuation = takeover.continuation
             prompt_tokens = self.core.enqueue(
                 **submit_arguments(job), continuation=continuation,
@@ -292,10 +296,6 @@ class Intake:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
             return
-        echo: str | list[str] | None = None
-        if job.echo and job.kind == "completion":  # each choice's own prompt, as text
-            echo = (self.core.prompt_text(job.prompt) if job.prompts is None else
-                    [self.core.prompt_text(p) for p in job.prompts for _ in range(job.n)])
         self.writer.accepted(job.id, entry_id, prompt_tokens, echo)
         for listener in self.started:
             listener(job)
@@ -318,9 +318,10 @@ class Intake:
         self.writer.terminal(job.id, entry_id, protocol.DONE, done)
 
     def _start_embeddings(self, job: protocol.Job, entry_id: str) -> None:
-        """An embeddings job: its inputs tokenized here, embedded by the loop thread (the
-        one that decodes), answered with one ``done`` event: each vector as base64 of
-        little-endian float32, and the tokens as prompt usage."""
+        """An embeddings job: its inputs tokenized here, ``accepted``, embedded by the loop
+        thread (the one that decodes), answered with one ``done`` event: each vector as
+        base64 of little-endian float32, and the tokens as prompt usage. A cancel, its
+        deadline, a full queue or a stopping daemon end it with that error."""
         try:
             inputs = self.core.embedding_inputs(job.prompt)
         except Refusal as refusal:
@@ -330,6 +331,9 @@ class Intake:
 
         def done(vectors: list[Any] | None, error: BaseException | None) -> None:
             if error is not None or vectors is None:
+                if isinstance(error, Refusal):
+                    self.refuse(job.id, entry_id, error)
+                    return
                 data = {"code": errors.ENGINE_ERROR, "status": errors.status_of(errors.ENGINE_ERROR),
                         "message": "The embeddings of this request failed."}
                 self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
@@ -340,7 +344,12 @@ class Intake:
                 "finish_reason": "stop", "stop": None, "timings": {}, "result": result,
                 "usage": protocol.usage(n_tokens, 0, 0)})
 
-        self.core.submit_embeddings(job.id, inputs, done)
+        self.writer.accepted(job.id, entry_id, n_tokens)  # the web waits for the end after it
+        try:
+            self.core.submit_embeddings(job.id, inputs, done, deadline=_deadline_of(job),
+                                        scope=job.cache_scope)
+        except Refusal as refusal:
+            self.refuse(job.id, entry_id, refusal)
 
     def _while_redis_away(self, call: Callable[[], Any]) -> Any:
         """``call()``, tried again while Redis is away (a restart): the job waits for Redis
@@ -367,6 +376,10 @@ class Intake:
             self.recovery.done_with(entry_id)
         except redis.RedisError:
             log.warning("could not acknowledge job entry %s", entry_id)
+
+
+def _deadline_of(job: protocol.Job) -> float | None:
+    return float(job.deadline) if _is_time(job.deadline) else None
 
 
 def _is_time(value: Any) -> bool:

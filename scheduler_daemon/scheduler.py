@@ -768,9 +768,13 @@ class Scheduler:
 
     @staticmethod
     def _unsent_logprobs(req: RequestState) -> tuple[dict[str, Any], ...]:
-        if not req.logprobs or not req.unsent_tokens:
+        """The logprobs entries not sent yet (the list keeps only those: a long request
+        asking 20 alternatives must not hold megabytes of them)."""
+        if not req.logprobs:
             return ()
-        return tuple(req.logprobs[-req.unsent_tokens:])
+        out = tuple(req.logprobs)
+        req.logprobs.clear()
+        return out
 
     def _finish(
         self, req: RequestState, status: Status, error: dict[str, Any] | None = None

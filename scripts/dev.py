@@ -550,8 +550,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         models = served_models()
         for name in models:  # one supervised daemon per model
             env = {**os.environ, "MODEL_NAME": name}
-            if name in CATALOG and len(models) > 1:
-                env.pop("MODEL_PATH", None)  # each its catalog file
+            if name in CATALOG and name != GEMMA and len(models) > 1:
+                env.pop("MODEL_PATH", None)  # its catalog file (MODEL_PATH is Gemma's)
             procs.append(start(f"scheduler ({name})",
                                [PY, "manage.py", "run_scheduler", "--supervise"], env))
         daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]

@@ -134,3 +134,16 @@ def test_the_docs_error_table_names_codes_of_the_table_with_their_statuses():
             assert CODES[code].status in statuses, (code, CODES[code].status, statuses)
             checked += 1
     assert checked >= 20  # the table has ~25 rows: a parse that finds none fails
+
+
+def test_a_one_answer_request_cancelled_before_its_answer_is_a_typed_409():
+    from inference import service
+    from inference.broker import StreamEvent
+    from inference.errors import ApiError
+
+    cancelled = StreamEvent("1-0", "done", {"finish_reason": "cancelled", "usage": {}})
+    with pytest.raises(ApiError) as caught:
+        service.vocab_answer(cancelled)
+    assert (caught.value.code, caught.value.status) == ("request_cancelled", 409)
+    answered = StreamEvent("1-0", "done", {"finish_reason": "stop", "result": {"tokens": [1]}})
+    assert service.vocab_answer(answered) == {"tokens": [1]}

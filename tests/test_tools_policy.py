@@ -79,3 +79,8 @@ def test_bad_plans_name_the_field(body, param):
     with pytest.raises(InvalidParameter) as caught:
         tools.plan(body)
     assert caught.value.param == param
+
+
+def test_arguments_that_strict_json_cannot_hold_stay_content():
+    text = '{"name":"f","parameters":{"x":1e999}}'  # the grammar allows it; it parses as inf
+    assert tools.read_reply(text, "call") == (text, [])

@@ -54,6 +54,7 @@ CODES: dict[str, ErrorCode] = _codes(
     ("method_not_allowed", 405, "wrong HTTP method"),
     ("duplicate_request_id", 409, "a request with this id is already running"),
     ("idempotency_key_reused", 409, "an Idempotency-Key sent again with a different body"),
+    ("request_cancelled", 409, "cancelled before it had its answer (embeddings, tokenize)"),
     # limits
     ("rate_limited", 429, "too many requests"),
     ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
@@ -88,6 +89,7 @@ INFERENCE_INTERRUPTED = "inference_interrupted"
 SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
 REQUEST_QUARANTINED = "request_quarantined"
 TIMEOUT = "timeout"
+CANCELLED = "request_cancelled"
 SERVICE_UNAVAILABLE = "service_unavailable"
 
 

@@ -75,6 +75,8 @@ MAX_CHOICES = 8  # n of one request
 EMBEDDING_KIND = "embedding"
 MAX_EMBEDDING_INPUTS = 256  # inputs of one embeddings request
 EMBEDDING_N_CTX = 2048  # the embeddings context's tokens: the most one input may have
+MAX_EMBEDDING_TOKENS = 32_768  # tokens of one embeddings request, all inputs together
+ANSWER_RETENTION_S = 60  # events of a request with one answer (tokenize, embeddings)
 
 # Error codes live in wire/errors.py (each with its HTTP status and OpenAI type).
 

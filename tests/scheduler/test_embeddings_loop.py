@@ -1,0 +1,126 @@
+"""Embeddings in the scheduler's loop (#16), on the real engine (Gemma): bounded decodes
+with the mean taken over chunks, generation and embeddings taking turns, and every
+embeddings job ending once (answer, cancel, deadline, stop)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.engine import Embedder
+from scheduler_daemon.engine_api import normalized
+from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.state import FinishedEvent
+from wire import errors
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
+
+
+class Ends:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.done = threading.Event()
+
+    def __call__(self, vectors, error) -> None:
+        self.calls.append((vectors, error, time.monotonic()))
+        self.done.set()
+
+
+@pytest.fixture
+def core(gemma_engine):
+    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
+    core.start()
+    yield core
+    core.stop(grace_s=0)
+
+
+def test_an_input_over_several_decodes_gets_the_mean_of_all_its_tokens(gemma_engine):
+    tokens = gemma_engine.tokenize("The history of trains and railways. " * 30)[:300]
+    results = []
+    for n_batch in (128, 512):  # three decodes of the input, then one
+        embedder = Embedder(gemma_engine, 1024, n_batch, 4)
+        total, done = None, 0
+        while done < len(tokens):
+            piece = tokens[done:done + embedder.n_batch]
+            (chunk,) = embedder.decode([(0, piece, done)])
+            total = chunk if total is None else total + chunk
+            done += len(piece)
+        results.append(normalized(total, done))
+        embedder.close()
+    chunked, whole = results
+    assert np.linalg.norm(chunked) == pytest.approx(1.0, abs=1e-5)
+    assert float(chunked @ whole) > 0.999  # the same mean, summed in another shape
+
+
+def test_generation_is_not_starved_by_a_large_embeddings_job(core, gemma_engine):
+    inputs = [gemma_engine.tokenize(f"Document {i} about the weather in spring. " * 12)[:100]
+              for i in range(40)]  # 4,000 tokens: ~32 decodes of 128
+    ends = Ends()
+    core.submit_embeddings("big", inputs, ends)
+    handle = core.submit(prompt="Once upon a time", params=SamplingParams.from_dict(
+        {"max_tokens": 16, "ignore_eos": True, "temperature": 0}))
+    finished = handle.result(timeout=300)
+    generated_at = time.monotonic()
+    assert finished.finished.stats.completion_tokens == 16
+    assert ends.done.wait(300)
+    vectors, error, embedded_at = ends.calls[0]
+    assert error is None and len(vectors) == 40
+    assert generated_at < embedded_at  # the 16 tokens did not wait for the 4,000
+
+
+def test_a_cancelled_embeddings_job_ends_cancelled_once(core, gemma_engine):
+    inputs = [gemma_engine.tokenize("word " * 100)[:100] for _ in range(60)]
+    ends = Ends()
+    core.submit_embeddings("gone", inputs, ends)
+    assert core.cancel("gone")
+    assert ends.done.wait(120)
+    time.sleep(0.5)
+    assert len(ends.calls) == 1
+    vectors, error, _ = ends.calls[0]
+    assert vectors is None and isinstance(error, Refusal) and error.code == errors.CANCELLED
+
+
+def test_an_embeddings_job_past_its_deadline_ends_with_timeout(core, gemma_engine):
+    ends = Ends()
+    core.submit_embeddings("late", [gemma_engine.tokenize("x")], ends,
+                           deadline=time.time() - 1)
+    assert ends.done.wait(60)
+    assert ends.calls[0][1].code == errors.TIMEOUT
+
+
+def test_the_queue_and_the_tenant_share_are_bounded(gemma_engine):
+    core = InferenceCore(gemma_engine, SchedulerConfig(max_queue=3, max_queue_per_scope=2))
+    ends = Ends()
+    for i in range(2):
+        core.submit_embeddings(f"a{i}", [[1, 2]], ends, scope="a")
+    with pytest.raises(Refusal) as caught:
+        core.submit_embeddings("a2", [[1, 2]], ends, scope="a")
+    assert caught.value.code == errors.TENANT_QUEUE_FULL
+    core.submit_embeddings("b0", [[1, 2]], ends, scope="b")
+    with pytest.raises(Refusal) as caught:
+        core.submit_embeddings("b1", [[1, 2]], ends, scope="b")
+    assert caught.value.code == errors.QUEUE_FULL
+    # never started: a stopping daemon hands them back (no end written)
+    assert sorted(core.stop(grace_s=0, hand_back=True)) == ["a0", "a1", "b0"]
+    assert ends.calls == []
+
+
+def test_a_stop_without_hand_back_ends_waiting_jobs_with_shutting_down(gemma_engine):
+    core = InferenceCore(gemma_engine, SchedulerConfig())
+    ends = Ends()
+    core.submit_embeddings("w", [[1, 2]], ends)
+    assert core.stop(grace_s=0) == []
+    assert ends.calls[0][1].code == errors.SHUTTING_DOWN
+
+
+def test_a_failing_end_callback_does_not_fail_the_loop(core, gemma_engine):
+    def broken(vectors, error):
+        raise RuntimeError("the writer is gone")
+
+    core.submit_embeddings("broken", [gemma_engine.tokenize("x y")], broken)
+    handle = core.submit(prompt="Hello", params=SamplingParams.from_dict({"max_tokens": 2}))
+    assert isinstance(list(handle.events(timeout=120))[-1], FinishedEvent)
+    assert core.scheduler.counters["tick_failures"] == 0
