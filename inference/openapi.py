@@ -18,8 +18,7 @@ from rest_framework import serializers
 
 from inference import idempotency
 from wire import errors as codes
-from wire import protocol
-from wire import sampling
+from wire import protocol, sampling
 from wire.messages import ROLES
 
 

@@ -615,7 +615,7 @@ class InferenceCore:
                 pieces.append((seq, take, 0))
                 owners.append(index)
                 room -= len(take)
-            for index, total in zip(owners, embedder.decode(pieces)):
+            for index, total in zip(owners, embedder.decode(pieces), strict=False):
                 state = job.open[index]
                 state[1] += len(pieces[owners.index(index)][1])
                 state[2] = total if state[2] is None else state[2] + total

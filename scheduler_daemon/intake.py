@@ -334,7 +334,8 @@ class Intake:
                 if isinstance(error, Refusal):
                     self.refuse(job.id, entry_id, error)
                     return
-                data = {"code": errors.ENGINE_ERROR, "status": errors.status_of(errors.ENGINE_ERROR),
+                data = {"code": errors.ENGINE_ERROR,
+                        "status": errors.status_of(errors.ENGINE_ERROR),
                         "message": "The embeddings of this request failed."}
                 self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
                 return

@@ -147,6 +147,14 @@ def daemon(web):
     return shared_daemon(web)
 
 
+@pytest.fixture(scope="module")
+def chat_daemon(web):
+    """The session's SmolLM2-135M-Instruct daemon, under its catalog name (the default model)."""
+    from tests.live_service import shared_daemon
+
+    return shared_daemon(web, "chat")
+
+
 @pytest.fixture
 def standin():
     """A stand-in daemon speaking the wire protocol, for tests of the web side alone."""

@@ -6,7 +6,8 @@ Set by the test through the environment:
 - ``FUZZ_MODEL``: the live daemon's model. A completion body's ``model`` (absent, or a
   printable string) becomes it, so generated requests reach the daemon and the model
   instead of stopping at ``model_not_found`` or, for a missing or null model (the web's
-  default model, the first of ``MODELS``, which no daemon here serves), at 503 ``scheduler_unavailable``.
+  default model, the first of ``MODELS``, which no daemon here serves), at 503
+  ``scheduler_unavailable``.
   An empty or non-printable model (NUL, a surrogate) is left as generated: the web must
   refuse it. ``GET /v1/models/{model}`` asks for it every other time.
 - A tokenize/detokenize/embeddings body's ``model`` becomes it the same way: its content

@@ -267,6 +267,14 @@ def web_server() -> WebServer:
     return _web
 
 
+def openai_client(web: WebServer, key: str | None = None):
+    """The official SDK against ``web`` (the owner's key unless another), no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=key or web.keys["owner"],
+                         max_retries=0)
+
+
 def redis_conn() -> redis.Redis:
     return redis.Redis.from_url(TEST_REDIS_URL)
 

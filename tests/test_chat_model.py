@@ -9,11 +9,10 @@ import re
 import shlex
 import urllib.request
 
-import openai
 import pytest
 
 from config.models import CATALOG, GEMMA, SMOLLM2, installed_file
-from tests.live_service import ROOT, shared_daemon
+from tests.live_service import ROOT, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +32,6 @@ def readme_curl_body() -> dict:
     return json.loads(words[words.index("-d") + 1])
 
 
-@pytest.fixture(scope="module")
-def chat(web):
-    return shared_daemon(web, "chat")
-
-
-def client(web) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=web.keys["owner"], max_retries=0)
-
-
 def test_the_readme_and_make_run_print_the_same_request():
     printed = dev_script().curl_example("http://127.0.0.1:8000", "sk-x")
     words = shlex.split(printed.replace("\\\n", " "))
@@ -49,21 +39,21 @@ def test_the_readme_and_make_run_print_the_same_request():
     assert readme_curl_body()["model"] == SMOLLM2
 
 
-def test_the_readme_question_gets_paris(web, chat):
+def test_the_readme_question_gets_paris(web, chat_daemon):
     """The README's request, as it stands, to the live chat model at temperature 0."""
     body = readme_curl_body()
     assert body["temperature"] == 0
-    reply = client(web).chat.completions.create(**body)
+    reply = openai_client(web).chat.completions.create(**body)
     answer = reply.choices[0].message.content
     assert "Paris" in answer, answer
     assert reply.model == SMOLLM2
 
 
-def test_the_chat_model_follows_a_system_prompt_across_turns(web, chat):
+def test_the_chat_model_follows_a_system_prompt_across_turns(web, chat_daemon):
     """A second turn with the history: the model answers, its template renders the turns."""
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is the capital of France?"}]
-    api = client(web)
+    api = openai_client(web)
     first = api.chat.completions.create(model=SMOLLM2, messages=messages, temperature=0,
                                         max_tokens=24)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -74,7 +64,7 @@ def test_the_chat_model_follows_a_system_prompt_across_turns(web, chat):
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the first turn's prefix
 
 
-def test_a_request_without_a_model_goes_to_the_chat_model(web, chat):
+def test_a_request_without_a_model_goes_to_the_chat_model(web, chat_daemon):
     request = urllib.request.Request(
         f"{web.base_url}/v1/chat/completions", method="POST",
         data=json.dumps({"messages": [{"role": "user", "content": "Hi"}],
@@ -85,8 +75,8 @@ def test_a_request_without_a_model_goes_to_the_chat_model(web, chat):
         assert json.loads(response.read())["model"] == SMOLLM2
 
 
-def test_models_lists_the_default_model_first(web, chat, daemon):
-    listed = [m.id for m in client(web).models.list()]
+def test_models_lists_the_default_model_first(web, chat_daemon, daemon):
+    listed = [m.id for m in openai_client(web).models.list()]
     assert listed[0] == SMOLLM2 and daemon.model in listed
 
 

@@ -6,23 +6,14 @@ import openai
 import pytest
 
 from config.models import SMOLLM2
-from tests.live_service import shared_daemon
+from tests.live_service import openai_client
 
 pytestmark = pytest.mark.slow
 STORY = [{"role": "user", "content": "Tell me a one-line story about a fox."}]
 
 
-@pytest.fixture(scope="module")
-def chat(web):
-    return shared_daemon(web, "chat")
-
-
-def client(web) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=web.keys["owner"], max_retries=0)
-
-
-def test_three_choices_with_a_seed_and_the_prompt_once(web, chat):
-    api = client(web)
+def test_three_choices_with_a_seed_and_the_prompt_once(web, chat_daemon):
+    api = openai_client(web)
     one = api.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=16,
                                       temperature=1.0, seed=5, extra_body={"cache_prompt": False})
     three = api.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=16,
@@ -38,8 +29,8 @@ def test_three_choices_with_a_seed_and_the_prompt_once(web, chat):
     assert evaluated == 3 * three.usage.prompt_tokens
 
 
-def test_the_prompt_is_prefilled_once_with_the_cache_on(web, chat):
-    three = client(web).chat.completions.create(
+def test_the_prompt_is_prefilled_once_with_the_cache_on(web, chat_daemon):
+    three = openai_client(web).chat.completions.create(
         model=SMOLLM2, messages=[{"role": "user", "content": "Name a colour. (unique 7f3a)"}],
         max_tokens=8, temperature=1.0, seed=9, n=3)
     prompt = three.usage.prompt_tokens
@@ -47,8 +38,8 @@ def test_the_prompt_is_prefilled_once_with_the_cache_on(web, chat):
     assert evaluated <= prompt + 2 * 2, (evaluated, prompt)  # the others: their last token
 
 
-def test_choices_stream_with_their_index(web, chat):
-    stream = client(web).chat.completions.create(
+def test_choices_stream_with_their_index(web, chat_daemon):
+    stream = openai_client(web).chat.completions.create(
         model=SMOLLM2, messages=STORY, max_tokens=12, temperature=1.0, seed=3, n=2,
         stream=True, stream_options={"include_usage": True})
     texts, finished, usage = {0: "", 1: ""}, {}, None
@@ -63,27 +54,27 @@ def test_choices_stream_with_their_index(web, chat):
 
 
 def test_completions_take_n_too(web, daemon):
-    reply = client(web).completions.create(model=daemon.model, prompt="Once upon a time",
+    reply = openai_client(web).completions.create(model=daemon.model, prompt="Once upon a time",
                                            max_tokens=6, temperature=1.0, seed=1, n=2)
     assert [c.index for c in reply.choices] == [0, 1] and all(c.text for c in reply.choices)
     assert reply.usage.completion_tokens == 12
 
 
 @pytest.mark.parametrize("n", [0, 9, "2"])
-def test_n_out_of_range_is_a_400(web, chat, n):
+def test_n_out_of_range_is_a_400(web, chat_daemon, n):
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2,
+        openai_client(web).chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2,
                                             extra_body={"n": n})
     assert caught.value.body["param"] == "n"
 
 
 def test_a_prompt_array_gives_one_choice_per_prompt_in_order(web, daemon):
     prompts = ["The capital of France is", "One, two, three,", "Roses are red,"]
-    api = client(web)
+    api = openai_client(web)
     reply = api.completions.create(model=daemon.model, prompt=prompts, max_tokens=4,
                                    temperature=0, echo=True)
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    for prompt, choice in zip(prompts, reply.choices):
+    for prompt, choice in zip(prompts, reply.choices, strict=False):
         assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
     singles = [api.completions.create(model=daemon.model, prompt=p, max_tokens=4, temperature=0)
                for p in prompts]
@@ -95,8 +86,9 @@ def test_a_prompt_array_gives_one_choice_per_prompt_in_order(web, daemon):
 
 
 def test_a_prompt_array_streams_by_index(web, daemon):
-    stream = client(web).completions.create(model=daemon.model, prompt=["Hello", [651, 5866]],
-                                            max_tokens=3, temperature=0, stream=True)
+    stream = openai_client(web).completions.create(
+        model=daemon.model, prompt=["Hello", [651, 5866]], max_tokens=3, temperature=0,
+        stream=True)
     seen = {}
     for chunk in stream:
         for choice in chunk.choices:
@@ -111,5 +103,5 @@ def test_a_prompt_array_streams_by_index(web, daemon):
 ])
 def test_bad_prompt_arrays_are_400s(web, daemon, prompt, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).completions.create(model=daemon.model, prompt=prompt, max_tokens=2)
+        openai_client(web).completions.create(model=daemon.model, prompt=prompt, max_tokens=2)
     assert caught.value.body["param"] == param

@@ -553,7 +553,8 @@ field_values = st.one_of(
     st.sampled_from(NUMBERS), st.integers(-2**70, 2**70),
     st.floats(allow_nan=False, allow_infinity=False), hostile_text,
     st.sampled_from([[], {}, [1], {"include_usage": "yes"}, "x" * 300]))
-# not None: a null model is the web's default (the first of MODELS), which no daemon serves here (503)
+# not None: a null model is the web's default (the first of MODELS), which no daemon
+# serves here (503)
 models = st.one_of(hostile_text, st.sampled_from([5, [], {}, "", "x" * 1000, "gemma\x00"]))
 
 

@@ -7,24 +7,15 @@ import openai
 import pytest
 
 from config.models import SMOLLM2
-from tests.live_service import shared_daemon
+from tests.live_service import openai_client
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def chat(web):
-    return shared_daemon(web, "chat")
-
-
-def client(web) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=web.keys["owner"], max_retries=0)
-
-
-def test_chat_top_logprobs_at_temperature_0(web, chat):
-    reply = client(web).chat.completions.create(
+def test_chat_top_logprobs_at_temperature_0(web, chat_daemon):
+    reply = openai_client(web).chat.completions.create(
         model=SMOLLM2, messages=QUESTION, temperature=0, max_tokens=12,
         logprobs=True, top_logprobs=5)
     content = reply.choices[0].logprobs.content
@@ -37,8 +28,8 @@ def test_chat_top_logprobs_at_temperature_0(web, chat):
         assert bytes(token.bytes).decode("utf-8", "replace") == token.token
 
 
-def test_chat_logprobs_stream_token_by_token(web, chat):
-    stream = client(web).chat.completions.create(
+def test_chat_logprobs_stream_token_by_token(web, chat_daemon):
+    stream = openai_client(web).chat.completions.create(
         model=SMOLLM2, messages=QUESTION, temperature=0, max_tokens=12, stream=True,
         logprobs=True, top_logprobs=2, stream_options={"include_usage": True})
     text, entries, usage = "", [], None
@@ -53,8 +44,9 @@ def test_chat_logprobs_stream_token_by_token(web, chat):
 
 
 def test_completion_logprobs_shape(web, daemon):
-    reply = client(web).completions.create(model=daemon.model, prompt="The capital of France is",
-                                           temperature=0, max_tokens=8, logprobs=3)
+    reply = openai_client(web).completions.create(
+        model=daemon.model, prompt="The capital of France is", temperature=0, max_tokens=8,
+        logprobs=3)
     choice = reply.choices[0]
     logprobs = choice.logprobs
     assert "".join(logprobs.tokens) == choice.text
@@ -63,13 +55,13 @@ def test_completion_logprobs_shape(web, daemon):
     assert offsets[0] == 0 and offsets == [sum(len(t) for t in logprobs.tokens[:i])
                                            for i in range(8)]
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
-                                   logprobs.top_logprobs):
+                                   logprobs.top_logprobs, strict=False):
         assert 1 <= len(top) <= 3 and all(lp <= 0 for lp in top.values())
         assert top[token] == pytest.approx(logprob) and logprob == max(top.values())
 
 
-def test_no_logprobs_unless_asked(web, chat):
-    reply = client(web).chat.completions.create(model=SMOLLM2, messages=QUESTION,
+def test_no_logprobs_unless_asked(web, chat_daemon):
+    reply = openai_client(web).chat.completions.create(model=SMOLLM2, messages=QUESTION,
                                                 temperature=0, max_tokens=4)
     assert reply.choices[0].logprobs is None
 
@@ -79,22 +71,22 @@ def test_no_logprobs_unless_asked(web, chat):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),
 ])
-def test_chat_logprobs_refusals_name_the_field(web, chat, body, param):
+def test_chat_logprobs_refusals_name_the_field(web, chat_daemon, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).chat.completions.create(model=SMOLLM2, messages=QUESTION, max_tokens=2,
+        openai_client(web).chat.completions.create(model=SMOLLM2, messages=QUESTION, max_tokens=2,
                                             extra_body=body)
     assert caught.value.body["param"] == param
 
 
 def test_completion_logprobs_past_20_is_refused(web, daemon):
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
+        openai_client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
                                        logprobs=21)
     assert caught.value.body["param"] == "logprobs"
 
 
 def test_echo_puts_the_prompt_first_whole_and_streamed(web, daemon):
-    api = client(web)
+    api = openai_client(web)
     prompt = "The capital of France is"
     whole = api.completions.create(model=daemon.model, prompt=prompt, temperature=0,
                                    max_tokens=4, echo=True)
@@ -119,7 +111,7 @@ def test_echo_of_token_ids_is_their_text(web, daemon):
             return json.loads(response.read())["tokens"]
 
     ids = tokenize("Once upon a time")
-    reply = client(web).completions.create(model=daemon.model, prompt=ids, temperature=0,
+    reply = openai_client(web).completions.create(model=daemon.model, prompt=ids, temperature=0,
                                            max_tokens=2, echo=True)
     assert reply.choices[0].text.startswith("Once upon a time")
 
@@ -128,6 +120,6 @@ def test_echo_with_logprobs_and_best_of_are_clear_400s(web, daemon):
     for extra, param in (({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 2}, "best_of"),
                          ({"echo": "yes"}, "echo")):
         with pytest.raises(openai.BadRequestError) as caught:
-            client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
+            openai_client(web).completions.create(model=daemon.model, prompt="x", max_tokens=2,
                                            extra_body=extra)
         assert caught.value.body["param"] == param

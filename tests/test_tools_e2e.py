@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from config.models import SMOLLM2
-from tests.live_service import shared_daemon
+from tests.live_service import openai_client
 
 pytestmark = pytest.mark.slow
 WEATHER = {"type": "function", "function": {
@@ -25,17 +25,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 SOLO = {"cache_prompt": False}  # no cache hit: the same logits twice (streamed and whole)
 
 
-@pytest.fixture(scope="module")
-def chat(web):
-    return shared_daemon(web, "chat")
-
-
-def client(web) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{web.base_url}/v1", api_key=web.keys["owner"], max_retries=0)
-
-
-def test_a_named_tool_choice_gives_a_call_whose_arguments_parse(web, chat):
-    reply = client(web).chat.completions.create(
+def test_a_named_tool_choice_gives_a_call_whose_arguments_parse(web, chat_daemon):
+    reply = openai_client(web).chat.completions.create(
         model=SMOLLM2, messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
         temperature=0, max_tokens=48, extra_body=SOLO)
     choice = reply.choices[0]
@@ -46,8 +37,8 @@ def test_a_named_tool_choice_gives_a_call_whose_arguments_parse(web, chat):
     assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
-def test_the_tool_results_turn_is_accepted_and_answered(web, chat):
-    api = client(web)
+def test_the_tool_results_turn_is_accepted_and_answered(web, chat_daemon):
+    api = openai_client(web)
     first = api.chat.completions.create(model=SMOLLM2, messages=ASK, tools=[WEATHER],
                                         tool_choice=NAMED, temperature=0, max_tokens=48)
     call = first.choices[0].message.tool_calls[0]
@@ -67,8 +58,8 @@ def test_the_tool_results_turn_is_accepted_and_answered(web, chat):
         assert isinstance(message.content, str)
 
 
-def test_the_sdks_stream_helper_assembles_the_same_call(web, chat):
-    api = client(web)
+def test_the_sdks_stream_helper_assembles_the_same_call(web, chat_daemon):
+    api = openai_client(web)
     whole = api.chat.completions.create(model=SMOLLM2, messages=ASK, tools=[WEATHER],
                                         tool_choice=NAMED, temperature=0, max_tokens=48,
                                         extra_body=SOLO)
@@ -82,8 +73,8 @@ def test_the_sdks_stream_helper_assembles_the_same_call(web, chat):
     assert streamed.choices[0].finish_reason == "tool_calls"
 
 
-def test_required_calls_one_of_the_tools(web, chat):
-    reply = client(web).chat.completions.create(
+def test_required_calls_one_of_the_tools(web, chat_daemon):
+    reply = openai_client(web).chat.completions.create(
         model=SMOLLM2,
         messages=[{"role": "user", "content": "Call get_time for the Asia/Tokyo time zone."}],
         tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=48)
@@ -106,16 +97,16 @@ def test_required_calls_one_of_the_tools(web, chat):
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])
-def test_bad_tools_are_400s_naming_the_field(web, chat, extra, param):
+def test_bad_tools_are_400s_naming_the_field(web, chat_daemon, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).chat.completions.create(model=SMOLLM2, messages=ASK, max_tokens=4,
+        openai_client(web).chat.completions.create(model=SMOLLM2, messages=ASK, max_tokens=4,
                                             extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
 
 
-def test_a_history_call_with_bad_arguments_is_refused_by_field(web, chat):
+def test_a_history_call_with_bad_arguments_is_refused_by_field(web, chat_daemon):
     bad = [*ASK, {"role": "assistant", "tool_calls": [{"id": "x", "type": "function",
                                                       "function": {"name": "f"}}]}]
     with pytest.raises(openai.BadRequestError) as caught:
-        client(web).chat.completions.create(model=SMOLLM2, messages=bad, max_tokens=4)
+        openai_client(web).chat.completions.create(model=SMOLLM2, messages=bad, max_tokens=4)
     assert caught.value.body["param"] == "messages[1].tool_calls[0].function"

@@ -9,7 +9,6 @@ import urllib.request
 import pytest
 
 from config.models import SMOLLM2
-from tests.live_service import shared_daemon
 
 pytestmark = pytest.mark.slow
 MULTILINGUAL = "Grüße, 世界! Привет 👋🏽 — naïve café, emoji 🎉 and ﷺ"
@@ -27,14 +26,9 @@ def post(web, path: str, body: dict, key: str | None = None) -> tuple[int, dict]
         return error.code, json.loads(error.read())
 
 
-@pytest.fixture(scope="module")
-def chat(web):
-    return shared_daemon(web, "chat")
-
-
 @pytest.mark.parametrize("which", ["gemma", "chat"])
-def test_tokenize_then_detokenize_round_trips_multilingual_text_with_emoji(web, daemon, chat,
-                                                                           which):
+def test_tokenize_then_detokenize_round_trips_multilingual_text_with_emoji(web, daemon,
+                                                                           chat_daemon, which):
     model = daemon.model if which == "gemma" else SMOLLM2
     status, tokenized = post(web, "tokenize", {"model": model, "content": MULTILINGUAL})
     assert status == 200 and all(type(t) is int for t in tokenized["tokens"])
@@ -45,7 +39,7 @@ def test_tokenize_then_detokenize_round_trips_multilingual_text_with_emoji(web, 
 
 
 def test_the_two_models_tokenize_differently_and_the_default_is_the_chat_model(web, daemon,
-                                                                               chat):
+                                                                               chat_daemon):
     _, gemma = post(web, "tokenize", {"model": daemon.model, "content": MULTILINGUAL})
     _, smol = post(web, "tokenize", {"model": SMOLLM2, "content": MULTILINGUAL})
     _, default = post(web, "tokenize", {"content": MULTILINGUAL})

@@ -13,6 +13,15 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='inferencerequest',
             name='kind',
-            field=models.CharField(choices=[('completion', 'Completion'), ('chat', 'Chat completion'), ('tokenize', 'Tokenize'), ('detokenize', 'Detokenize'), ('embedding', 'Embeddings')], max_length=16),
+            field=models.CharField(
+                choices=[
+                    ("completion", "Completion"),
+                    ("chat", "Chat completion"),
+                    ("tokenize", "Tokenize"),
+                    ("detokenize", "Detokenize"),
+                    ("embedding", "Embeddings"),
+                ],
+                max_length=16,
+            ),
         ),
     ]

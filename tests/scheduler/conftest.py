@@ -97,3 +97,15 @@ def gemma_engine():
     )
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def core(gemma_engine):
+    """A started core over the module's engine (chunked prefill 512, queue 16)."""
+    from scheduler_daemon.core import InferenceCore
+    from scheduler_daemon.scheduler import SchedulerConfig
+
+    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
+    core.start()
+    yield core
+    core.stop(grace_s=0)

@@ -15,14 +15,6 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "It begins on a stormy night in November.")
 
 
-@pytest.fixture
-def core(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
-    core.start()
-    yield core
-    core.stop(grace_s=0)
-
-
 def choices(core, n, cache_prompt=True, **params):
     handle = core.submit(prompt=PROMPT, n=n, cache_prompt=cache_prompt,
                          params=SamplingParams.from_dict({"max_tokens": 12, **params}))

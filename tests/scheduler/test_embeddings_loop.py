@@ -29,14 +29,6 @@ class Ends:
         self.done.set()
 
 
-@pytest.fixture
-def core(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
-    core.start()
-    yield core
-    core.stop(grace_s=0)
-
-
 def test_an_input_over_several_decodes_gets_the_mean_of_all_its_tokens(gemma_engine):
     tokens = gemma_engine.tokenize("The history of trains and railways. " * 30)[:300]
     results = []

@@ -7,9 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import logprobs_of
-from scheduler_daemon.scheduler import SchedulerConfig
 from scheduler_daemon.state import TokenEvent
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
@@ -48,14 +46,6 @@ def test_the_range_is_checked_on_the_wire():
             SamplingParams.from_dict({"logprobs": bad})
 
 
-@pytest.fixture
-def core(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
-    core.start()
-    yield core
-    core.stop(grace_s=0)
-
-
 def run(core, **params):
     handle = core.submit(prompt="The capital of France is", cache_prompt=False,
                          params=SamplingParams.from_dict({"max_tokens": 8, **params}))
@@ -67,7 +57,7 @@ def test_greedy_tokens_carry_their_logprobs_and_are_the_most_likely(core, gemma_
     entries = [entry for e in events for entry in e.logprobs]
     ids = [t for e in events for t in e.tokens]
     assert len(entries) == len(ids) == 8  # one per generated token, in order
-    for token, entry in zip(ids, entries):
+    for token, entry in zip(ids, entries, strict=False):
         assert bytes.fromhex(entry["b"]) == gemma_engine.logprob_piece(token)
         assert len(entry["top"]) == 5
         assert entry["top"][0][0] == entry["b"]  # greedy: the chosen one is the most likely

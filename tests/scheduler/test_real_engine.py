@@ -26,14 +26,6 @@ pytestmark = pytest.mark.slow
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture
-def core(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
-    core.start()
-    yield core
-    core.stop(grace_s=0)
-
-
 def run(core, prompt=None, messages=None, **params):
     handle = core.submit(
         prompt=prompt,
