@@ -221,7 +221,12 @@ N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
 # max_tokens of a request that names none (bounded by the context either way)
 DEFAULT_MAX_TOKENS = env_int("DEFAULT_MAX_TOKENS", 512)
+# Jobs waiting for the model that each live daemon adds to the web's limit (past it: 503
+# queue_full, decided by the web from the queue in Redis: wire/queue.py). A daemon holds
+# at most N_PARALLEL + LOCAL_QUEUE jobs (running and locally queued); the rest wait in
+# Redis, where any daemon of the model can take them.
 MAX_QUEUE = env_int("MAX_QUEUE", 64)
+LOCAL_QUEUE = env_int("LOCAL_QUEUE", N_PARALLEL)
 # Fair shares (docs/security.md): waiting jobs one tenant may hold in a daemon's queue (a
 # tenant's own `max_queued` wins), and the most of the KV budget one tenant's running
 # requests may reserve (also the most one request may ask for: prompt + max_tokens).

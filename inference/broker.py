@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from config.env import env_float
 from inference.errors import ApiError
 from inference.stream_reader import Follower, StreamReader
-from wire import ownership, protocol
+from wire import ownership, protocol, queue
 from wire.backoff import Backoff
 
 T = TypeVar("T")
@@ -288,11 +288,22 @@ _seen_served: dict[str, float] = {}  # model -> when a live daemon was last seen
 async def live_models(patient: bool = True) -> set[str]:
     """Models at least one live daemon serves. ``patient``: a reader's check, which waits out
     an outage (``_settled``); else Redis errors are raised at once (a new request)."""
+    return (await _models(patient))[0]
+
+
+async def taking_models() -> tuple[set[str], set[str]]:
+    """(models a live daemon serves, models a live daemon takes jobs for now: serving, not
+    drained or stopping), waiting out an outage."""
+    return await _models(True)
+
+
+async def _models(patient: bool) -> tuple[set[str], set[str]]:
     snapshots = await (_settled(live_daemons) if patient else live_daemons())
     models = {snap.get("model", "") for snap in snapshots}
+    taking = {snap.get("model", "") for snap in snapshots if snap.get("state") == "serving"}
     now = time.monotonic()
     _seen_served.update(dict.fromkeys(models, now))
-    return models
+    return models, taking
 
 
 async def is_served(model: str, max_age_s: float = 0.0) -> bool:
@@ -357,24 +368,16 @@ async def _wait_out(outage: Backoff, error: Exception) -> None:
 # -- jobs, events, cancels -------------------------------------------------------------------
 
 
-# KEYS[1] the jobs stream; ARGV[1] its cap, ARGV[2] the job. The entry id, or nil when the
-# stream already holds the cap (nothing is trimmed: every entry is a request not yet ended).
-_ENQUEUE = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[2], 1, 'PX', ARGV[3]) end
-return redis.call('XADD', KEYS[1], '*', 'job', ARGV[2])
-"""
-
-
 async def enqueue(job: protocol.Job, watch_ms: int = 0) -> None:
-    """Queue a job for the daemons of its model. Raises ApiError 503 when the model's jobs
-    stream already holds JOBS_MAX_PENDING jobs (no daemon keeps up with it). ``watch_ms``
-    > 0: the request's watch key (inference/watch.py) is written with that TTL in the same
-    script, before the job exists: one round trip, and no daemon sees it unwatched."""
-    added = await async_client().eval(
-        _ENQUEUE, 2, protocol.jobs_stream(job.model), protocol.watch_key(job.id),
-        protocol.JOBS_MAX_PENDING, job.encode()["job"], watch_ms,
-    )
+    """Queue a job for the daemons of its model, in the model's fair queue (wire/queue.py).
+    Raises ApiError 503 when the model's jobs stream already holds JOBS_MAX_PENDING jobs
+    (no daemon keeps up with it). ``watch_ms`` > 0: the request's watch key
+    (inference/watch.py) is written with that TTL in the same script, before the job
+    exists: one round trip, and no daemon sees it unwatched."""
+    script, keys, args = queue.enqueue_call(
+        job.model, job.encode()["job"], job.tenant_id, protocol.watch_key(job.id), watch_ms,
+        protocol.JOBS_MAX_PENDING)
+    added = await async_client().eval(script, len(keys), *keys, *args)
     if added is None:
         raise ApiError("service_unavailable",
                        f"{protocol.JOBS_MAX_PENDING} requests are already waiting for the "

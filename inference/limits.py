@@ -29,6 +29,7 @@ from wire.backoff import Backoff
 from wire.limits import (  # noqa: F401  (re-exported: what the web's callers name)
     BUDGET_EXCEEDED,
     CONCURRENCY_LIMITED,
+    QUEUE_REFUSAL_CODES,
     REFUSAL_CODES,
     RESUME_SLOT_PREFIX,
     Limits,
@@ -69,9 +70,12 @@ def slot_ttl_s() -> int:
     return int(settings.ACCEPT_TIMEOUT_S + settings.REQUEST_TIMEOUT_S + settings.LIMIT_SLOT_GRACE_S)
 
 
-def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0) -> None:
-    """``admit_sync`` for a request made with ``api_key`` (limits: ``key_limits_sync``)."""
-    admit_sync(api_key.tenant_id, request_id, key_limits_sync(api_key), reserve=reserve)
+def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0,
+                   model: str | None = None) -> None:
+    """``admit_sync`` for a request made with ``api_key`` (limits: ``key_limits_sync``;
+    ``model``: through that model's queue gate, under the tenant's ``max_queued``)."""
+    admit_sync(api_key.tenant_id, request_id, key_limits_sync(api_key), reserve=reserve,
+               model=model, max_queued=api_key.tenant.max_queued)
 
 
 def reservation(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
@@ -101,14 +105,16 @@ def _utf8_len(text: object) -> int:
 
 def admit_sync(
     tenant_id: int | str, request_id: str, limits: Limits, now: float | None = None,
-    reserve: int = 0,
+    reserve: int = 0, model: str | None = None, max_queued: int | None = None,
 ) -> None:
     """Take a slot for ``request_id`` or raise ApiError 429 (with Retry-After). With a
     token limit, ``reserve`` tokens are held for the request until it ends (its actual
-    usage replaces them: ``wire.limits.record_usage``)."""
+    usage replaces them: ``wire.limits.record_usage``). ``model``: the model's queue is
+    looked at first (503 ``queue_full``, 429 ``tenant_queue_full``: wire/queue.py)."""
     now = time.time() if now is None else now
     refused = wire_limits.admit(broker.sync_client(), str(tenant_id), request_id, limits,
-                                now=now, reserve=reserve, slot_ttl_s=slot_ttl_s())
+                                now=now, reserve=reserve, slot_ttl_s=slot_ttl_s(),
+                                model=model, max_queued=max_queued)
     if refused is not None:
         raise refusal(refused, limits, reserve)
 
@@ -192,9 +198,10 @@ async def free_slot_quietly(tenant_id: str, member: str) -> None:
 
 
 def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0) -> ApiError:
-    """The 429 for a refusal: its code, a message saying what is over and what to do,
-    ``param: "max_tokens"`` when a smaller one would fit, and when to retry (the
-    ``Retry-After`` header, and ``retry_after_s`` in the body for websocket clients)."""
+    """The 429 (503 for a full model queue) for a refusal: its code, a message saying what
+    is over and what to do, ``param: "max_tokens"`` when a smaller one would fit, and when
+    to retry (the ``Retry-After`` header, and ``retry_after_s`` in the body for websocket
+    clients)."""
     message, param = _explain(refused, limits, reserve)
     retry = refused.retry_after_s
     return ApiError(refused.code, message, param, headers={"Retry-After": str(retry)},
@@ -204,6 +211,12 @@ def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0) -> A
 def _explain(refused: wire_limits.Refused, limits: Limits,
              reserve: int) -> tuple[str, str | None]:
     limit, how, used, reserved = refused.limit, refused.how, refused.used, refused.reserved
+    if limit == wire_limits.QUEUE:
+        return (f"{used} requests are waiting for this model, as many as its daemons "
+                f"queue; try again in {refused.retry_after_s} s."), None
+    if limit == wire_limits.TENANT_QUEUE:
+        return (f"This tenant already has {used} requests waiting for this model, its "
+                f"share of the queue; try again in {refused.retry_after_s} s."), None
     wants = f"this request may use up to {reserve} tokens (prompt estimate + max_tokens)"
     if how == wire_limits.HELD and limit == wire_limits.CONCURRENCY:
         return (f"This tenant already has {limits.max_concurrent} requests queued or running "
@@ -239,6 +252,11 @@ def _explain(refused: wire_limits.Refused, limits: Limits,
                 f"{limits.requests_per_minute} per minute; try again in "
                 f"{refused.retry_after_s} s."), None
     return "This tenant may have no requests in flight (max_concurrent is 0).", None
+
+
+def tenant_refusals_sync(tenant_id: int | str) -> dict[str, int]:
+    """A tenant's refused requests by code (they have no history row: wire/limits.admit)."""
+    return wire_limits.refusal_counts(broker.sync_client(), str(tenant_id))
 
 
 def current_usage_sync(tenant_id: int | str, now: float | None = None) -> dict[str, int]:

@@ -86,6 +86,12 @@ class DaemonCollector(Collector):
         for code in limits.REFUSAL_CODES:
             limit_refusals.add_metric([code], refusals.get(code, 0))
         yield limit_refusals
+        queue_refusals = CounterMetricFamily(
+            "llm_queue_refusals", "Requests the web refused for a full model queue (or a "
+            "tenant's full share of it), by code: no daemon saw them.", labels=["code"])
+        for code in limits.QUEUE_REFUSAL_CODES:
+            queue_refusals.add_metric([code], refusals.get(code, 0))
+        yield queue_refusals
 
 
 def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:

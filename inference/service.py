@@ -52,6 +52,7 @@ class Queued:
     model: str
     created: int  # unix seconds
     watched_at: float = 0.0  # monotonic: when the enqueue wrote its watch key (0: it did not)
+    deadline: float | None = None  # unix seconds: the job's (its ``timeout``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         await _abandon(api_key.tenant_id, request_id)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()),
-                  watched_at)
+                  watched_at, job.deadline)
 
 
 async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
@@ -154,7 +155,7 @@ def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
     reserve = limits.reservation(parsed.prompts or parsed.prompt, parsed.messages, completion,
                                  parsed.choices)
     try:
-        limits.admit_key_sync(api_key, request_id, reserve=reserve)
+        limits.admit_key_sync(api_key, request_id, reserve=reserve, model=parsed.model)
     except redis.RedisError as exc:
         # the script may have run with only its reply lost: free what it may hold (the
         # slot's expiry bounds it when Redis is away)
@@ -174,25 +175,30 @@ async def answer(queued: Queued) -> Submission:
     # the key the enqueue wrote still has most of its grace to live: no second write
     written = bool(queued.watched_at) and time.monotonic() - queued.watched_at < watch.renew_s()
     async with CancelIfAbandoned(queued.request_id, watch_written=written):
-        first = await _wait_first(queued.request_id, queued.model)
+        first = await _wait_first(queued.request_id, queued.model, queued.deadline)
     if first.kind == protocol.ERROR:
         metrics.observe_end(first.data, first.kind)
         raise ApiError.from_event(first.data)
     return Submission(queued.request_id, queued.kind, queued.model, queued.created, first)
 
 
-async def _wait_first(request_id: str, model: str) -> StreamEvent:
+async def _wait_first(request_id: str, model: str, deadline: float | None) -> StreamEvent:
     with broker.reader(request_id) as follower:
-        return await _wait_first_read(request_id, model, follower)
+        return await _wait_first_read(request_id, model, follower, deadline)
 
 
-async def _wait_first_read(request_id: str, model: str,
-                           follower: broker.Follower) -> StreamEvent:
-    """The job is in the jobs stream: a daemon that dies or restarts meanwhile leaves it
-    there for the next one, so no live daemon is a wait (up to RECOVERY_TIMEOUT_S), not an
-    answer; ACCEPT_TIMEOUT_S bounds the whole wait."""
+async def _wait_first_read(request_id: str, model: str, follower: broker.Follower,
+                           deadline: float | None = None) -> StreamEvent:
+    """The job waits in the model's queue in Redis until a daemon has room for it (a fleet
+    of them: wire/queue.py), so waiting is no failure while a live daemon of the model takes
+    jobs; up to the job's ``deadline`` (unix s; then 504 ``timeout``, and it is cancelled:
+    no daemon runs it later). A daemon that dies or restarts meanwhile leaves it there for
+    the next one: no live daemon is a wait of RECOVERY_TIMEOUT_S, and live daemons that
+    take no jobs (drained) a wait of ACCEPT_TIMEOUT_S, then 503 ``scheduler_unavailable``."""
     now = time.monotonic()
-    deadline = now + settings.ACCEPT_TIMEOUT_S
+    stalled_at = now + settings.ACCEPT_TIMEOUT_S  # pushed on while a daemon takes jobs
+    ends_at = (now + max(0.0, deadline - time.time()) + BACKSTOP_MARGIN_S
+               if deadline is not None else None)
     none_since: float | None = None  # when no live daemon served the model any more
     while True:
         events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1,
@@ -200,11 +206,19 @@ async def _wait_first_read(request_id: str, model: str,
         if events:
             return events[0]
         now = time.monotonic()
-        if model in await broker.live_models():
+        live, taking = await broker.taking_models()
+        if model in live:
             none_since = None
         else:
             none_since = none_since or now
-        if now > deadline or (none_since and now - none_since >= settings.RECOVERY_TIMEOUT_S):
+        if model in taking:
+            stalled_at = now + settings.ACCEPT_TIMEOUT_S
+        if ends_at is not None and now > ends_at:
+            await broker.publish_cancel(request_id)  # a daemon that takes it later ends it
+            await close_row(request_id, errors.TIMEOUT)
+            raise ApiError(errors.TIMEOUT, "The request waited in the queue past its "
+                           "deadline (its timeout, or REQUEST_TIMEOUT_S) and was not run.")
+        if now > stalled_at or (none_since and now - none_since >= settings.RECOVERY_TIMEOUT_S):
             await broker.publish_cancel(request_id)  # a daemon that comes later must not run it
             await close_row(request_id, protocol.SCHEDULER_UNAVAILABLE)
             raise unavailable(model)

@@ -19,13 +19,14 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from wire import protocol
+from wire import protocol, queue
 
 from .control import Control
 from .core import InferenceCore
@@ -54,11 +55,13 @@ class SchedulerDaemon:
         stream_interval_s: float = 0.0,
         fault_injection: bool = False,
         history: HistorySink | None = None,
+        capacity: int | None = None,
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
         ``stream_interval_s``: see ``EventWriter``. ``fault_injection``: the test-only hook
-        (``intake.FAULT_MARKER``)."""
+        (``intake.FAULT_MARKER``). ``capacity``: the jobs it holds at most (its slots plus
+        its local queue; default: ``intake.PREPARE_QUEUE_MAX``)."""
         self.core = core
         self.redis = client
         self.model = model
@@ -68,10 +71,12 @@ class SchedulerDaemon:
             client, model, self.daemon_id, self.lifecycle, history, stream_interval_s
         )
         self.intake = Intake(
-            core, client, model, self.daemon_id, self.lifecycle, self.writer, fault_injection
+            core, client, model, self.daemon_id, self.lifecycle, self.writer, fault_injection,
+            **({} if capacity is None else {"capacity": capacity}),
         )
         self.heartbeat = Heartbeat(
-            core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected, config_info
+            core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected,
+            config_info, fleet=self.fleet_entry,
         )
         self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
         self.watch = Watch(client, self.lifecycle, core.cancel, self.writer.is_live)
@@ -132,6 +137,17 @@ class SchedulerDaemon:
 
     def snapshot(self) -> dict[str, Any]:
         return self.heartbeat.snapshot()
+
+    def fleet_entry(self) -> queue.FleetEntry:
+        """What the web's queue gate counts of this daemon (wire/queue.py)."""
+        config = self.core.scheduler.config
+        return queue.FleetEntry(
+            at=time.time(), taking=self.lifecycle.state is State.SERVING,
+            max_queue=config.max_queue,
+            max_queue_per_tenant=(config.max_queue if config.max_queue_per_scope is None
+                                  else config.max_queue_per_scope),
+            drain_per_s=round(self.intake.drain_per_s(), 3), capacity=self.intake.capacity,
+            held=self.intake.held())
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"daemon-{name}", daemon=True)

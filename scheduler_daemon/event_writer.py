@@ -98,6 +98,10 @@ class EventWriter:
         if resumed:
             self._resumed[request_id] = resumed
 
+    def live_count(self) -> int:
+        """Requests started here whose end is not yet written."""
+        return len(self._tenants)
+
     def is_live(self, request_id: str) -> bool:
         """Whether a request with this id started here and its end is not yet written."""
         return request_id in self._tenants

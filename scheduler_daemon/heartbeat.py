@@ -3,6 +3,7 @@
 ``llm:daemon:<id>`` holds the snapshot JSON for ``HEARTBEAT_TTL_S`` (a missing key is a dead
 daemon: others reclaim its jobs), ``llm:daemons`` scores the id by its last beat. The web
 reads them for /v1/health, /v1/models, the admin and /metrics. Never any prompt text.
+``llm:fleet:<model>`` holds, per daemon, what the web's queue gate counts (wire/queue.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from wire import protocol
+from wire import protocol, queue
 from wire.backoff import Backoff
 
 from .core import InferenceCore
@@ -38,8 +40,10 @@ class Heartbeat:
         lifecycle: Lifecycle,
         rejected: Counter[str],
         config_info: dict[str, Any] | None = None,
+        fleet: Callable[[], queue.FleetEntry] | None = None,
     ) -> None:
-        """``rejected``: the intake's count of jobs answered with an error before starting."""
+        """``rejected``: the intake's count of jobs answered with an error before starting.
+        ``fleet``: this daemon's entry in the model's fleet hash, built at each beat."""
         self.core = core
         self.redis = client
         self.model = model
@@ -49,6 +53,8 @@ class Heartbeat:
         self.config_info = config_info or {}
         self.started_at = time.time()
         self.running_key = protocol.running_key(daemon_id)
+        self.fleet = fleet
+        self.fleet_key = queue.fleet_key(model)
 
     def snapshot(self) -> dict[str, Any]:
         """The state published for the admin, /v1/health and /metrics (no prompt text)."""
@@ -78,6 +84,8 @@ class Heartbeat:
         pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
         pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
         pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
+        if self.fleet is not None:
+            pipe.hset(self.fleet_key, self.daemon_id, self.fleet().encode())
         pipe.execute()
 
     def run(self) -> None:
@@ -100,6 +108,7 @@ class Heartbeat:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(protocol.daemon_key(self.daemon_id))
         pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
+        pipe.hdel(self.fleet_key, self.daemon_id)
         pipe.set(protocol.gone_key(self.daemon_id), 1, ex=protocol.GONE_TTL_S)
         pipe.execute()
         if not self.redis.hlen(self.running_key):

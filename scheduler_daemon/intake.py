@@ -2,11 +2,15 @@
 
 Two threads:
 
-- the reader: ``XREADGROUP`` (blocking at most 0.5 s) into the prepare queue, at most
-  ``PREPARE_QUEUE_MAX`` jobs read ahead (the rest waits in Redis, where another daemon may
-  take it). It reads only while the lifecycle is ``SERVING`` (it moves ``PAUSING`` on to
-  ``PAUSED`` when its read returns), and every ``RECLAIM_INTERVAL_S`` it has dead daemons'
-  jobs recovered (``recovery.py``). A malformed entry is dropped, acknowledged, counted.
+- the reader: takes jobs from the model's fair queue in Redis (``wire/queue.py``'s TAKE,
+  fair across tenants and across the fleet) into the prepare queue, only as many as this
+  daemon can hold: ``capacity`` (its slots plus a small local queue, LOCAL_QUEUE) less the
+  jobs it holds (read, starting, or started and not ended). The rest waits in Redis, where
+  any live daemon of the model can take it; so no daemon refuses ``queue_full`` (the web's
+  gate does, from the queue). Idle, it blocks on the queue's bell (at most 0.5 s). It
+  takes only while the lifecycle is ``SERVING`` (it moves ``PAUSING`` on to ``PAUSED``
+  when its wait returns), and every ``RECLAIM_INTERVAL_S`` it has dead daemons' jobs
+  recovered (``recovery.py``). A malformed entry is dropped, acknowledged, counted.
 - the preparer: takes the prepare queue round-robin by tenant (``fair_queue.FairQueue``: one
   tenant's large prompts delay another's job by at most one of them), checks the durable
   cancel flag and the quarantine, records the job as running here (``llm:running:<id>``)
@@ -32,7 +36,7 @@ from typing import Any
 
 import redis
 
-from wire import errors, ownership, protocol
+from wire import errors, ownership, protocol, queue
 from wire.backoff import Backoff
 from wire.errors import Refusal
 
@@ -46,8 +50,11 @@ from .recovery import FRESH, Recovery, Takeover, as_text, quarantined_refusal
 log = logging.getLogger(__name__)
 
 RECLAIM_INTERVAL_S = 5.0
-INTAKE_BATCH = 16
-PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # jobs read but not yet started; more wait in Redis
+INTAKE_BATCH = 16  # jobs taken in one TAKE at most
+PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # a daemon's capacity when none is given
+FULL_POLL_S = 0.02  # a full daemon looks for room this often
+ALIVE_EVERY_S = 0.5  # ... and shows its consumer alive this often (recovery's idle check)
+DRAIN_WINDOW_S = 30.0  # the rate jobs were taken at is measured over this long
 # Test-only fault hook (setting FAULT_INJECTION): a job whose prompt holds this text makes
 # the daemon abort the process at its first tick, like a native crash would.
 FAULT_MARKER = "__abort_the_daemon__"
@@ -105,9 +112,13 @@ class Intake:
         lifecycle: Lifecycle,
         writer: EventWriter,
         fault_injection: bool = False,
+        capacity: int = PREPARE_QUEUE_MAX,
     ) -> None:
+        """``capacity``: the jobs this daemon holds at most (read and not ended)."""
         self.core = core
         self.redis = client
+        self.model = model
+        self.capacity = max(1, int(capacity))
         self.daemon_id = daemon_id
         self.lifecycle = lifecycle
         self.writer = writer
@@ -123,6 +134,25 @@ class Intake:
         self._last_reclaim = time.monotonic()
         self._take_owner = client.register_script(ownership.TAKE)
         self._outage = Backoff("reading jobs", log)  # the reader thread's
+        self._starting = 0  # 1 while the preparer starts a job (held, in neither count)
+        self._taken: list[float] = []  # when jobs were taken (monotonic), DRAIN_WINDOW_S
+        self._taken_lock = threading.Lock()
+        self._bell = "0-0"  # the queue's bell entry seen last (wait for one after it)
+        self._last_alive = 0.0
+
+    def held(self) -> int:
+        """Jobs this daemon holds: taken and not started, being started, or not ended."""
+        return len(self.prepare) + self._starting + self.writer.live_count()
+
+    def room(self) -> int:
+        return self.capacity - self.held()
+
+    def drain_per_s(self) -> float:
+        """Jobs taken per second over the last DRAIN_WINDOW_S (the web's Retry-After)."""
+        now = time.monotonic()
+        with self._taken_lock:
+            self._taken = [t for t in self._taken if now - t <= DRAIN_WINDOW_S]
+            return len(self._taken) / DRAIN_WINDOW_S
 
     def ensure_group(self) -> None:
         """Create the jobs stream's consumer group if it is not there."""
@@ -143,31 +173,34 @@ class Intake:
             if state is not State.SERVING:
                 self.lifecycle.wait_for({State.SERVING, State.DRAINING}, timeout=0.5)
                 continue
-            room = PREPARE_QUEUE_MAX - len(self.prepare)
+            room = self.room()
             if room <= 0:  # the rest waits in Redis, where another daemon may take it
-                time.sleep(0.02)
+                if time.monotonic() - self._last_alive >= ALIVE_EVERY_S:
+                    self._read(0)
+                time.sleep(FULL_POLL_S)
                 continue
-            for entry_id, fields in self._read(min(INTAKE_BATCH, room)):
+            entries = self._read(min(INTAKE_BATCH, room))
+            if not entries:
+                self._wait_for_work()
+                continue
+            for entry_id, fields in entries:
                 if not self.lifecycle.taking_jobs:
-                    return  # unread by us: reclaimed by the next daemon once we are gone
+                    return  # taken by us: reclaimed by the next daemon once we are gone
                 try:
                     self._take(as_text(entry_id), fields)
                 except Exception:  # never let one entry stop the intake
                     log.exception("could not take job entry %s", entry_id)
 
     def _read(self, count: int) -> list[tuple[Any, Any]]:
+        """Up to ``count`` jobs from the model's fair queue (0: none, only shows this daemon's
+        consumer alive); [] while Redis is away or the stream is gone (recreated)."""
         try:
-            reply = self.redis.xreadgroup(
-                protocol.JOBS_GROUP,
-                self.daemon_id,
-                {self.jobs_stream: ">"},
-                count=count,
-                block=500,
-            )
+            entries, self._bell = queue.take(self.redis, self.model, self.daemon_id, count)
+            self._last_alive = time.monotonic()
             self._outage.succeeded()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
-                log.exception("reading jobs failed; retrying in 1 s")
+                log.exception("taking jobs failed; retrying in 1 s")
                 time.sleep(1)
                 return []
             log.warning("the jobs stream or its group vanished (Redis restarted?): recreating it")
@@ -179,7 +212,18 @@ class Intake:
         except redis.RedisError as exc:  # Redis away (a restart): wait for it, never give up
             time.sleep(self._outage.failed(exc))
             return []
-        return [entry for _stream, entries in reply or [] for entry in entries]
+        if entries:
+            now = time.monotonic()
+            with self._taken_lock:
+                self._taken.extend([now] * len(entries))
+        return entries
+
+    def _wait_for_work(self) -> None:
+        """Block until a job is enqueued (the bell) or BELL_BLOCK_MS pass."""
+        try:
+            queue.wait_for_bell(self.redis, self.model, self._bell)
+        except redis.RedisError as exc:
+            time.sleep(self._outage.failed(exc))
 
     def _reclaim_when_due(self) -> None:
         if time.monotonic() - self._last_reclaim < RECLAIM_INTERVAL_S:
@@ -210,8 +254,13 @@ class Intake:
     def prepare_loop(self) -> None:
         while self.lifecycle.taking_jobs:
             item = self.prepare.get(timeout=0.5)
-            if item is not None:
+            if item is None:
+                continue
+            self._starting = 1  # held, though in neither the prepare queue nor the writer
+            try:
                 self.start_job_safely(*item)
+            finally:
+                self._starting = 0
 
     def start_job_safely(self, entry_id: str, job: protocol.Job,
                          takeover: Takeover = FRESH) -> None:

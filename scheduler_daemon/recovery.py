@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from wire import ownership, protocol
+from wire import ownership, protocol, queue
 from wire.errors import Refusal
 
 from .event_writer import EventWriter
@@ -99,7 +99,7 @@ class Recovery:
             return 0
         for consumer in consumers:
             name = as_text(consumer["name"])
-            if name == self.daemon_id:
+            if name in (self.daemon_id, queue.HOLDER):  # HOLDER: the jobs still waiting
                 continue
             if int(consumer["idle"]) <= dead_idle_ms and not self.redis.exists(
                     protocol.gone_key(name)):

@@ -38,7 +38,7 @@ import redis
 from django.conf import settings
 
 from config.models import CATALOG, SMOLLM2, SMOLLM2_PIN
-from wire import protocol
+from wire import protocol, queue
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -334,15 +334,19 @@ class StandIn:
 
     def stop(self) -> None:
         self._beating.clear()
-        self.redis.delete(protocol.daemon_key(self.daemon_id), protocol.jobs_stream(self.model))
+        self.redis.delete(protocol.daemon_key(self.daemon_id), *queue.keys_of(self.model))
         self.redis.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
 
     def next_job(self, timeout_s: float = 10) -> protocol.Job:
-        reply = self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id,
-                                      {protocol.jobs_stream(self.model): ">"}, count=1,
-                                      block=int(timeout_s * 1000))
-        assert reply, f"no job for {self.model} within {timeout_s} s"
-        return protocol.Job.decode(reply[0][1][0][1])
+        """The next job of the model's queue, taken as a daemon takes it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            entries, bell = queue.take(self.redis, self.model, self.daemon_id, 1)
+            if entries:
+                return protocol.Job.decode(entries[0][1])
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0, f"no job for {self.model} within {timeout_s} s"
+            queue.wait_for_bell(self.redis, self.model, bell, min(left_ms, 500))
 
     def emit(self, request_id: str, kind: str, data: dict[str, Any]) -> str:
         entry = self.redis.xadd(protocol.events_stream(request_id),
@@ -431,7 +435,7 @@ class RealDaemon:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self.redis.delete(protocol.jobs_stream(self.model))
+        self.redis.delete(*queue.keys_of(self.model))
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -47,7 +47,7 @@ print(json.dumps([t.id, ApiKey.issue(t)[1]]))
     t = str(tenant_id)
     redis_conn().delete(wire_limits.inflight_key(t), wire_limits.reserved_key(t),
                         wire_limits.rpm_key(t), wire_limits.tpm_key(t),
-                        wire_limits.month_key(t, time.time()))
+                        wire_limits.month_key(t, time.time()), wire_limits.tenant_refusals_key(t))
     return tenant_id, key
 
 

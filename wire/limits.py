@@ -20,6 +20,8 @@ Requests  ``llm:limit:rpm:<tenant>``       hash: unix second -> requests admitte
 Tokens    ``llm:limit:tpm:<tenant>``       hash: unix second -> tokens of requests that ended in it
 Month     ``llm:usage:month:<tenant>:<YYYYMM>``  tokens of requests that ended in a UTC month
 Refusals  ``llm:limit:refusals``           hash: refusal code -> count (for /metrics)
+          ``llm:limit:refusals:<tenant>``  the same, one tenant's (the admin; refused requests
+                                           get no history row: see ``admit``)
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import queue
 from .errors import CODES
-from .protocol import PREFIX
+from .protocol import HEARTBEAT_TTL_S, PREFIX
 
 WINDOW_S = 60  # requests and tokens per minute: the last WINDOW_S seconds
 WINDOW_KEY_TTL_S = 2 * WINDOW_S  # a window's hash outlives its newest bucket by this much
@@ -45,18 +48,24 @@ RPM_EXCEEDED = CODES["rpm_exceeded"].code
 TPM_EXCEEDED = CODES["tpm_exceeded"].code
 CONCURRENCY_LIMITED = CODES["concurrency_limited"].code
 BUDGET_EXCEEDED = CODES["budget_exceeded"].code
+QUEUE_FULL = CODES["queue_full"].code
+TENANT_QUEUE_FULL = CODES["tenant_queue_full"].code
 REFUSAL_CODES = (RPM_EXCEEDED, TPM_EXCEEDED, CONCURRENCY_LIMITED, BUDGET_EXCEEDED)
+QUEUE_REFUSAL_CODES = (QUEUE_FULL, TENANT_QUEUE_FULL)  # the model queue's gate (wire/queue.py)
 
 # Which limit refused (the script names them so) -> the refusal's code.
 BUDGET, TPM, RPM, CONCURRENCY = "budget", "tpm", "rpm", "concurrency"
+QUEUE, TENANT_QUEUE = "queue", "tenant_queue"  # the model's queue (wire/queue.py's gate)
 CODE_OF = {BUDGET: BUDGET_EXCEEDED, TPM: TPM_EXCEEDED, RPM: RPM_EXCEEDED,
-           CONCURRENCY: CONCURRENCY_LIMITED}
+           CONCURRENCY: CONCURRENCY_LIMITED, QUEUE: QUEUE_FULL, TENANT_QUEUE: TENANT_QUEUE_FULL}
 # How: waiting for the window or the month helps (retry_after_s says when) ...
 OVER = "over"
 # ... what is missing is held by requests (or resumes) in flight: retry soon ...
 HELD = "held"
 # ... this request alone is over the limit: waiting never helps.
 TOO_BIG = "too_big"
+# ... the model's queue (or the tenant's share of it) is full: retry_after_s from its drain.
+FULL = "full"
 
 
 def inflight_key(tenant_id: str) -> str:
@@ -73,6 +82,10 @@ def rpm_key(tenant_id: str) -> str:
 
 def tpm_key(tenant_id: str) -> str:
     return f"{PREFIX}:limit:tpm:{tenant_id}"
+
+
+def tenant_refusals_key(tenant_id: str) -> str:
+    return f"{REFUSALS_HASH}:{tenant_id}"
 
 
 def month_key(tenant_id: str, now: float) -> str:
@@ -133,13 +146,21 @@ local function refuse(counter, code, limit, how, retry, used)
 end
 """
 
-# KEYS: in-flight, reservations, rpm window, tpm window, month, refusals
+# KEYS: in-flight, reservations, rpm window, tpm window, month, refusals, the tenant's
+#       refusals, [the model queue's gate keys: wire/queue.gate_keys]
 # ARGV: now, request id, its slot's expiry, in-flight key ttl, seconds to next month,
 #       tokens to reserve, budget, tpm, rpm, max_concurrent (-1: unlimited),
-#       codes for budget, tpm, rpm, concurrency
-# Every limit is checked before anything is counted: refused, it counts nothing (but the
-# refusal). The refusal names the limit that keeps the request out longest.
-_ADMIT = _IN_FLIGHT + f"""
+#       codes for budget, tpm, rpm, concurrency, [the gate's args: wire/queue.gate_args]
+# The model's queue is looked at first (the gate: queue_full, tenant_queue_full), then
+# every limit, before anything is counted: refused, it counts nothing (but the refusal,
+# for /metrics and the tenant's). The refusal names the limit that keeps it out longest.
+_REFUSE_HERE = """
+local function refuse_here(code, limit, how, retry, used)
+  redis.call('HINCRBY', KEYS[7], code, 1)
+  return refuse(KEYS[6], code, limit, how, retry, used)
+end
+"""
+_ADMIT_LIMITS = f"""
 local WINDOW = {WINDOW_S}
 local oldest = math.floor(now) - WINDOW  -- buckets from here on are in the window
 local code = {{budget = ARGV[11], tpm = ARGV[12], rpm = ARGV[13], concurrency = ARGV[14]}}
@@ -176,7 +197,7 @@ local function note(limit, how, retry, used)
   if worst == nil or retry > worst[3] then worst = {{limit, how, retry, used}} end
 end
 local function never(limit, retry, used)
-  return refuse(KEYS[6], code[limit], limit, 'too_big', retry, used)
+  return refuse_here(code[limit], limit, 'too_big', retry, used)
 end
 
 local budget = tonumber(ARGV[7])
@@ -211,7 +232,7 @@ if concurrent >= 0 then
 end
 
 if worst then
-  return refuse(KEYS[6], code[worst[1]], worst[1], worst[2], worst[3], worst[4])
+  return refuse_here(code[worst[1]], worst[1], worst[2], worst[3], worst[4])
 end
 redis.call('HINCRBY', KEYS[3], string.format('%d', math.floor(now)), 1)
 redis.call('EXPIRE', KEYS[3], {WINDOW_KEY_TTL_S})
@@ -223,6 +244,8 @@ if want > 0 then
 end
 return 'ok'
 """
+_ADMIT = _IN_FLIGHT + _REFUSE_HERE + _ADMIT_LIMITS
+_ADMIT_GATED = _IN_FLIGHT + _REFUSE_HERE + queue.gate_lua(8, 15) + _ADMIT_LIMITS
 
 # A slot without tokens (a resume): only the concurrency limit.
 # KEYS: in-flight, reservations, refusals; ARGV: now, member, expiry, max_concurrent,
@@ -251,15 +274,26 @@ return 1
 
 
 def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: float,
-          reserve: int, slot_ttl_s: int) -> Refused | None:
+          reserve: int, slot_ttl_s: int, model: str | None = None,
+          max_queued: int | None = None) -> Refused | None:
     """Admit a request in one atomic script, or say why not (then nothing is counted). When
     admitted it holds a concurrency slot for at most ``slot_ttl_s``, counts as a request
     in the window, and, when the tenant has a token limit, holds ``reserve`` tokens until it
-    ends (``release`` or ``record_usage``). ``client``: a synchronous redis client."""
+    ends (``release`` or ``record_usage``). ``client``: a synchronous redis client.
+
+    ``model``: first, the gate of that model's queue (wire/queue.py): refused ``queue_full``
+    when the jobs waiting for it reach the live daemons' MAX_QUEUE summed (plus the room
+    they had free at their last heartbeat), or
+    ``tenant_queue_full`` when this tenant's reach its share (``max_queued``, the tenant's
+    own cap per daemon, else MAX_QUEUE_PER_TENANT, times the live daemons), with a
+    Retry-After from the rate the daemons take jobs. A refused request is counted (by code,
+    for all and for the tenant), never stored: a row per refusal would make refusing under
+    an overload cost a database write, more than the work it refuses to queue."""
     token_limited = limits.tokens_per_minute is not None or \
         limits.monthly_token_budget is not None
     keys = [inflight_key(tenant_id), reserved_key(tenant_id), rpm_key(tenant_id),
-            tpm_key(tenant_id), month_key(tenant_id, now), REFUSALS_HASH]
+            tpm_key(tenant_id), month_key(tenant_id, now), REFUSALS_HASH,
+            tenant_refusals_key(tenant_id)]
     args = [
         repr(now), request_id, repr(now + slot_ttl_s), slot_ttl_s, seconds_to_next_month(now),
         max(0, int(reserve)) if token_limited else 0,
@@ -267,7 +301,13 @@ def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: 
         _arg(limits.requests_per_minute), _arg(limits.max_concurrent),
         BUDGET_EXCEEDED, TPM_EXCEEDED, RPM_EXCEEDED, CONCURRENCY_LIMITED,
     ]
-    return _decision(client.eval(_ADMIT, len(keys), *keys, *args))
+    script = _ADMIT
+    if model is not None:
+        script = _ADMIT_GATED
+        keys += queue.gate_keys(model)
+        args += queue.gate_args(tenant_id, max_queued, now, HEARTBEAT_TTL_S, QUEUE_FULL,
+                                TENANT_QUEUE_FULL)
+    return _decision(client.eval(script, len(keys), *keys, *args))
 
 
 def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | None, *,
@@ -332,9 +372,10 @@ def current_usage(client: Any, tenant_id: str, now: float) -> dict[str, int]:
     }
 
 
-def refusal_counts(client: Any) -> dict[str, int]:
-    """Refusals by code since the counters began (every web process)."""
-    return {_text(k): int(v) for k, v in client.hgetall(REFUSALS_HASH).items()}
+def refusal_counts(client: Any, tenant_id: str | None = None) -> dict[str, int]:
+    """Refusals by code since the counters began (every web process; one tenant's)."""
+    key = REFUSALS_HASH if tenant_id is None else tenant_refusals_key(tenant_id)
+    return {_text(k): int(v) for k, v in client.hgetall(key).items()}
 
 
 def seconds_to_next_month(now: float) -> int:

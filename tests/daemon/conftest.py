@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from tests.live_service import OwnDatabase
-from wire import protocol
+from wire import protocol, queue
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -99,7 +99,7 @@ class Daemon:
             kind=fields.pop("kind", "completion"),
             **fields,
         )
-        self.redis.xadd(protocol.jobs_stream(self.model), job.encode())
+        queue.enqueue(self.redis, job)
         return job
 
     def events(self, request_id: str, timeout_s: float = 120) -> list[tuple[str, str, dict]]:

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from scheduler_daemon.intake import FAULT_MARKER, job_fingerprint
+from tests.live_service import wait_until
 from wire import protocol
 
 pytestmark = pytest.mark.slow
@@ -171,8 +172,11 @@ def test_the_fault_hook_is_off_unless_the_setting_says_so(daemon):
     assert daemon.snapshot()["pid"] == pid
 
 
-def test_a_tenants_share_of_the_queue_is_capped_and_others_are_still_served(make_daemon):
-    daemon = make_daemon(N_PARALLEL="1", MAX_QUEUE="8", MAX_QUEUE_PER_TENANT="2").start()
+def test_a_tenants_flood_waits_in_turns_and_another_tenant_goes_first(make_daemon):
+    """The daemon holds only what it can run (1 slot + 1 queued here): the flood waits in the
+    model's fair queue in Redis, and the other tenant's job, sent last, is taken next (the
+    tenant's share of the queue is the web's gate: tests/test_queue.py)."""
+    daemon = make_daemon(N_PARALLEL="1", LOCAL_QUEUE="1").start()
     running = daemon.enqueue(prompt="Tell me a long story.", params=LONG)
     daemon.wait_for(running.id, "token")
     flood = [daemon.enqueue(prompt=f"Count to {i}", params={"max_tokens": 2}) for i in range(6)]
@@ -180,12 +184,13 @@ def test_a_tenants_share_of_the_queue_is_capped_and_others_are_still_served(make
         prompt="The capital of France is", params={"max_tokens": 2}, tenant_id="2",
         cache_scope="2",
     )
-    outcomes = [daemon.events(job.id)[-1] for job in flood]
-    refused = [d for _, k, d in outcomes if k == "error"]
-    assert len(refused) == 4
-    assert all(d["code"] == "tenant_queue_full" and d["status"] == 429 for d in refused)
-    assert daemon.events(other.id)[-1][1] == "done"
+    wait_until(lambda: daemon.snapshot().get("queue"), timeout_s=30)  # one flood job is local
+    assert len(daemon.snapshot()["queue"]) == 1  # the rest waits in Redis
     daemon.cancel(running.id)
+    ends = {job.id: daemon.events(job.id)[-1] for job in [*flood, other]}
+    assert all(kind == "done" for _, kind, _ in ends.values())
+    order = sorted(ends, key=lambda rid: protocol.entry_order(ends[rid][0]))
+    assert order.index(other.id) <= 1  # after the one flood job held locally, at most
 
 
 def test_one_request_cannot_reserve_the_whole_kv_budget(make_daemon):

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from wire import protocol
+from tests.live_service import wait_until
+from wire import protocol, queue
 
 pytestmark = pytest.mark.slow
 
@@ -136,20 +137,28 @@ def test_snapshot_is_published_with_a_heartbeat_and_no_text(daemon):
     assert "France" not in str(snap) and "fruit" not in str(snap)
 
 
-def test_queue_full_refuses_fast_and_every_accepted_job_completes(make_daemon):
-    daemon = make_daemon(MAX_QUEUE="1", N_PARALLEL="1").start()
+def test_a_daemon_takes_only_what_it_can_hold_and_the_rest_waits_in_redis(make_daemon):
+    """Pull by capacity: 1 slot + 1 queued here. The other jobs stay in the model's queue in
+    Redis (where another daemon could take them), none is refused, and all complete."""
+    daemon = make_daemon(MAX_QUEUE="1", N_PARALLEL="1", LOCAL_QUEUE="1").start()
+    params = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    running = daemon.enqueue(prompt="Tell me a long story.", params=params)
+    daemon.wait_for(running.id, "token")
     jobs = [
         daemon.enqueue(
             prompt=f"Count to ten, try {i}:", params={"max_tokens": 24, "temperature": 0}
         )
-        for i in range(6)
+        for i in range(5)
     ]
+    wait_until(lambda: daemon.snapshot().get("queue"), timeout_s=30)
+    assert daemon.redis.zcard(queue.ready_key(daemon.model)) == 4
+    fleet = json.loads(daemon.redis.hget(queue.fleet_key(daemon.model), daemon.daemon_id))
+    assert (fleet["capacity"], fleet["taking"]) == (2, True)
+    daemon.cancel(running.id)
     outcomes = [daemon.events(job.id)[-1] for job in jobs]
-    refused = [data for _, kind, data in outcomes if kind == "error"]
-    finished = [data for _, kind, data in outcomes if kind == "done"]
-    assert refused and all(d["code"] == "queue_full" and d["status"] == 503 for d in refused)
-    assert finished and all(d["usage"]["completion_tokens"] > 0 for d in finished)
-    assert len(refused) + len(finished) == 6
+    assert [kind for _, kind, _ in outcomes] == ["done"] * 5
+    assert all(d["usage"]["completion_tokens"] > 0 for _, _, d in outcomes)
+    assert daemon.redis.zcard(queue.ready_key(daemon.model)) == 0
 
 
 def test_sigterm_drains_and_exits_cleanly(make_daemon):

@@ -43,6 +43,7 @@ CONFIG_SETTINGS = (
     "CONTINUE_STREAMS",
     "MAX_QUEUE_PER_TENANT",
     "KV_TENANT_SHARE",
+    "LOCAL_QUEUE",
 )
 
 
@@ -105,6 +106,7 @@ class Command(BaseCommand):
             stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
             fault_injection=settings.FAULT_INJECTION,
             history=DatabaseHistory(),
+            capacity=settings.N_PARALLEL + min(settings.LOCAL_QUEUE, settings.MAX_QUEUE),
         )
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
         core.start()

@@ -1,0 +1,126 @@
+"""Two live daemons of one model behave as one service (issue 17): a real daphne, two real
+daemons (Gemma, 2 slots, 1 thread each), real Redis.
+
+- pull by capacity: a burst one daemon could not hold is served by both, with no 503;
+- global admission: a burst past what the fleet queues gets 503 ``queue_full`` from the
+  web, with a Retry-After; no daemon sees a refused job, and none gets a history row;
+- a daemon killed with jobs in hand: the other serves them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+
+from tests.live_service import RealDaemon, redis_conn, wait_until
+from tests.test_limits_http import make_tenant
+from wire import protocol
+
+pytestmark = pytest.mark.slow
+
+DAEMON = dict(N_PARALLEL="2", N_CTX="1024", N_THREADS="1", LOCAL_QUEUE="2", MAX_QUEUE="1")
+
+
+@pytest.fixture(scope="module")
+def fleet(web):
+    model = f"gemma-fleet-{uuid.uuid4().hex[:6]}"
+    daemons = [RealDaemon(web, model, **DAEMON).start(), RealDaemon(web, model, **DAEMON)]
+    daemons[1].start()
+    yield daemons
+    for daemon in daemons:
+        daemon.stop()
+
+
+def served_by(request_id: str) -> str | None:
+    """The daemon id of the request's last ``accepted`` event (the one that served it; its
+    stream lives on a while)."""
+    served = None
+    for _, fields in redis_conn().xrange(protocol.events_stream(request_id)):
+        kind, data = protocol.decode_event(fields)
+        if kind == protocol.ACCEPTED:
+            served = data.get("daemon_id")
+    return served
+
+
+def burst(web, model: str, key: str, n: int, max_tokens: int) -> list:
+    replies: list = [None] * n
+
+    def one(i: int) -> None:
+        body = {"model": model, "prompt": f"Count to ten, try {i}:", "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        reply = web.request("POST", "/v1/completions", body, key, timeout=300)
+        replies[i] = (reply.status, reply.header("X-Request-Id"), reply.header("Retry-After"),
+                      reply.json())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return replies
+
+
+def test_a_burst_one_daemon_could_not_hold_is_served_by_both_without_503(web, fleet):
+    # one daemon holds 2 running + 2 queued and queues 1 more in Redis: 5 < 8 <= the fleet's
+    _, key = make_tenant(web)
+    replies = burst(web, fleet[0].model, key, 8, max_tokens=12)
+    assert [status for status, *_ in replies] == [200] * 8, replies
+    daemons = {served_by(request_id) for _, request_id, _, _ in replies}
+    assert daemons == {fleet[0].daemon_id, fleet[1].daemon_id}
+
+
+def test_past_the_fleets_queue_the_web_refuses_and_no_daemon_sees_the_refused(web, fleet):
+    tenant_id, key = make_tenant(web)
+    before = [d.snapshot() for d in fleet]
+    replies = burst(web, fleet[0].model, key, 40, max_tokens=24)
+    refused = [r for r in replies if r[0] == 503]
+    served = [r for r in replies if r[0] == 200]
+    assert refused and served and len(refused) + len(served) == 40, replies
+    for _, _, retry_after, body in refused:
+        assert body["error"]["code"] == "queue_full" and int(retry_after) >= 1
+    # no daemon refused anything, and each job a daemon saw was served
+    wait_until(lambda: all(d.snapshot()["heartbeat_at"] > b["heartbeat_at"]
+                           for d, b in zip(fleet, before, strict=True)), timeout_s=10)
+    for daemon, then in zip(fleet, before, strict=True):
+        now = daemon.snapshot()
+        assert now["rejected"] == then["rejected"] == {}
+        assert now["counters"].get("refused_queue_full", 0) == 0
+    rows = web.request("GET", "/v1/requests?limit=100", key=key).json()["data"]
+    assert len(rows) == len(served)  # a refusal is counted, not stored
+    assert all(served_by(row["id"]) for row in rows)
+    counts = redis_conn().hgetall(f"llm:limit:refusals:{tenant_id}")
+    assert int(counts[b"queue_full"]) == len(refused)
+
+
+def test_a_killed_daemons_jobs_are_served_by_the_other(web, fleet):
+    _, key = make_tenant(web)
+    victim, survivor = fleet
+    results: dict[int, tuple] = {}
+
+    def one(i: int) -> None:
+        body = {"model": victim.model, "prompt": f"Tell me a story, part {i}:", "stream": True,
+                "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        reply = web.request("POST", "/v1/completions", body, key, timeout=300)
+        chunks = [json.loads(d) for _, d in reply.sse() if d != "[DONE]"]
+        results[i] = (reply.status, reply.header("X-Request-Id"), chunks)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: victim.snapshot().get("queue") or
+               any(s.get("request_id") for s in victim.snapshot().get("slots", [])),
+               timeout_s=60)
+    victim.kill()
+    for thread in threads:
+        thread.join(300)
+    try:
+        assert len(results) == 8
+        for status, _, chunks in results.values():
+            assert status == 200 and not [c for c in chunks if "error" in c], chunks[-1:]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert {served_by(r) for _, r, _ in results.values()} >= {survivor.daemon_id}
+    finally:
+        victim.start()  # the module's fleet again (a fresh id)

@@ -1,0 +1,285 @@
+"""The model's waiting work in Redis: one fair queue for every daemon of the model.
+
+A daemon takes a job only when it can hold it (a free slot or room in its small local
+queue, ``intake.py``), so waiting work stays here, where any live daemon of the model can
+take it, and the web decides ``queue_full`` from what this queue holds, before anything
+else (``GATE``, run inside the tenant-limits admission script: one round trip).
+
+Keys (``<model>`` is the model's name):
+Jobs     ``llm:jobs:<model>``             the jobs stream (wire/protocol.py), consumer group
+                                          ``daemons``. A job waiting here is pending under
+                                          the group's placeholder consumer ``HOLDER``; a
+                                          daemon takes it by XCLAIM (then it is pending
+                                          under the daemon: the dead-daemon recovery works
+                                          as before, and skips ``HOLDER``).
+Ready    ``llm:queue:ready:<model>``      sorted set: ``<entry id>|<tenant>`` -> its start
+                                          tag in a start-time fair queue (each tenant's jobs
+                                          in order, tenants taking turns)
+Tenants  ``llm:queue:tenants:<model>``    hash: tenant -> jobs of it waiting
+Tags     ``llm:queue:tags:<model>``       hash: tenant -> the tag its next job starts after
+Clock    ``llm:queue:clock:<model>``      the tag of the job taken last (the virtual time)
+Bell     ``llm:queue:bell:<model>``       a short stream, one tiny entry per enqueue: what an
+                                          idle daemon blocks on (never the job itself)
+Fleet    ``llm:fleet:<model>``            hash: daemon id -> JSON of what the gate needs from
+                                          it (``FleetEntry``), written with its heartbeat
+
+Fair queueing: a job of tenant t gets the tag ``S = max(clock, tags[t])`` and moves
+``tags[t]`` to ``S + 1``; daemons take the lowest tags first and move the clock to the
+tag taken. So one tenant's burst of 40 delays another tenant's next job by one turn, not
+forty, across the whole fleet (the round robin ``fair_queue.py`` gives inside a daemon).
+
+An entry added to the jobs stream without ``ENQUEUE`` (a rogue or an old writer) is swept
+into the queue by the next ``ENQUEUE`` or ``TAKE`` (its tenant read from its JSON, ``?``
+when it has none: the daemon then drops it as malformed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .protocol import JOBS_GROUP, JOBS_MAX_PENDING, PREFIX, Job, jobs_stream, watch_key
+
+HOLDER = "__waiting__"  # the consumer waiting jobs are pending under
+BELL_MAXLEN = 16
+# A daemon blocks this long on the bell at most (then it looks at the queue anyway: a job
+# added without ENQUEUE rings no bell).
+BELL_BLOCK_MS = 500
+SWEEP_COUNT = 256  # unqueued entries swept per script run
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
+# Past any entry id: reading the history after it returns nothing, but counts as the
+# consumer's interaction (XINFO CONSUMERS ``idle``), which the dead-daemon check reads.
+_TOUCH_ID = "18446744073709551615-18446744073709551615"
+
+
+def ready_key(model: str) -> str:
+    return f"{PREFIX}:queue:ready:{model}"
+
+
+def tenants_key(model: str) -> str:
+    return f"{PREFIX}:queue:tenants:{model}"
+
+
+def tags_key(model: str) -> str:
+    return f"{PREFIX}:queue:tags:{model}"
+
+
+def clock_key(model: str) -> str:
+    return f"{PREFIX}:queue:clock:{model}"
+
+
+def bell_stream(model: str) -> str:
+    return f"{PREFIX}:queue:bell:{model}"
+
+
+def fleet_key(model: str) -> str:
+    return f"{PREFIX}:fleet:{model}"
+
+
+def keys_of(model: str) -> list[str]:
+    """Every key of a model's queue (a test's clean-up)."""
+    return [jobs_stream(model), ready_key(model), tenants_key(model), tags_key(model),
+            clock_key(model), bell_stream(model), fleet_key(model)]
+
+
+def _queue_keys(model: str) -> list[str]:
+    return [jobs_stream(model), ready_key(model), tenants_key(model), tags_key(model),
+            clock_key(model), bell_stream(model)]
+
+
+# Shared by ENQUEUE and TAKE: KEYS[1..6] = _queue_keys. Entries of the stream not yet
+# delivered to anyone are delivered to HOLDER and queued with their tags. ``known`` maps
+# the entry id just added by ENQUEUE to its tenant (no JSON is parsed for it).
+_SWEEP = f"""
+local function tenant_of(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'job' then
+      -- the Job's JSON names tenant_id before any text (an escaped quote cannot match)
+      local t = string.match(fields[i + 1], '"tenant_id":"([^"]*)"')
+      if t and t ~= '' and not string.find(t, '|', 1, true) then return t end
+    end
+  end
+  return '?'
+end
+local function sweep(known_id, known_tenant)
+  local got = redis.call('XREADGROUP', 'GROUP', '{JOBS_GROUP}', '{HOLDER}', 'COUNT',
+                         {SWEEP_COUNT}, 'STREAMS', KEYS[1], '>')
+  if not got then return end
+  local clock = tonumber(redis.call('GET', KEYS[5]) or '0')
+  for _, entry in ipairs(got[1][2]) do
+    local id = entry[1]
+    local tenant = known_tenant
+    if id ~= known_id then tenant = tenant_of(entry[2]) end
+    local start = math.max(clock, tonumber(redis.call('HGET', KEYS[4], tenant) or '0'))
+    redis.call('HSET', KEYS[4], tenant, start + 1)
+    redis.call('ZADD', KEYS[2], start, id .. '|' .. tenant)
+    redis.call('HINCRBY', KEYS[3], tenant, 1)
+  end
+end
+"""
+
+# KEYS: the queue's (_queue_keys), then the request's watch key
+# ARGV: the job's JSON, its tenant, the watch key's TTL (ms, 0: none), the stream's cap
+# Returns the entry id, or false when the stream holds the cap already.
+ENQUEUE = _SWEEP + f"""
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[4]) then return false end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[7], 1, 'PX', ARGV[3]) end
+redis.pcall('XGROUP', 'CREATE', KEYS[1], '{JOBS_GROUP}', '0', 'MKSTREAM')  -- BUSYGROUP: there
+local id = redis.call('XADD', KEYS[1], '*', 'job', ARGV[1])
+sweep(id, ARGV[2])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', {BELL_MAXLEN}, '*', 'n', 1)
+return id
+"""
+
+# KEYS: the queue's; ARGV: the daemon (consumer) id, how many jobs it can hold now (0:
+# none, it only shows it is alive). Returns {entries, the bell's last id}: each entry
+# {id, fields} as XCLAIM gives it, now pending under the daemon.
+TAKE = _SWEEP + f"""
+sweep(nil, nil)
+redis.call('XGROUP', 'CREATECONSUMER', KEYS[1], '{JOBS_GROUP}', ARGV[1])
+redis.call('XREADGROUP', 'GROUP', '{JOBS_GROUP}', ARGV[1], 'COUNT', 1, 'STREAMS', KEYS[1],
+           '{_TOUCH_ID}')
+local out = {{}}
+local want = tonumber(ARGV[2])
+while #out < want do
+  local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if #head == 0 then break end
+  local member, tag = head[1], head[2]
+  redis.call('ZREM', KEYS[2], member)
+  redis.call('SET', KEYS[5], tag)
+  local bar = string.find(member, '|', 1, true)
+  local id, tenant = string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
+  if redis.call('HINCRBY', KEYS[3], tenant, -1) <= 0 then redis.call('HDEL', KEYS[3], tenant) end
+  local claimed = redis.call('XCLAIM', KEYS[1], '{JOBS_GROUP}', ARGV[1], 0, id)
+  if claimed[1] then out[#out + 1] = claimed[1] end  -- else deleted meanwhile
+end
+if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
+local bell = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)
+local last = '0-0'
+if bell[1] then last = bell[1][1] end
+return {{out, last}}
+"""
+
+
+def enqueue_call(model: str, job_json: str, tenant_id: str, watch_key: str, watch_ms: int,
+                 cap: int) -> tuple[str, list[str], list[Any]]:
+    """(script, keys, args) of ENQUEUE, for a sync or an async client's ``eval``."""
+    return ENQUEUE, [*_queue_keys(model), watch_key], [job_json, tenant_id, watch_ms, cap]
+
+
+def enqueue(client: Any, job: Job, watch_ms: int = 0,
+            cap: int = JOBS_MAX_PENDING) -> str | None:
+    """ENQUEUE with a synchronous client (the web's async one: ``inference/broker.py``):
+    the entry id, None when the stream holds ``cap`` jobs already."""
+    script, keys, args = enqueue_call(job.model, job.encode()["job"], job.tenant_id,
+                                      watch_key(job.id), watch_ms, cap)
+    added = client.eval(script, len(keys), *keys, *args)
+    return None if added is None else _text(added)
+
+
+def take(client: Any, model: str, daemon_id: str, count: int) -> tuple[list[Any], str]:
+    """Take up to ``count`` jobs (fair across tenants) for ``daemon_id``: ([(entry id,
+    fields)], the bell's last id, to block on with ``wait_for_bell``). ``count`` 0 takes
+    nothing and only marks the daemon's consumer as alive."""
+    keys = _queue_keys(model)
+    entries, last = client.eval(TAKE, len(keys), *keys, daemon_id, max(0, int(count)))
+    return [(entry[0], _fields(entry[1])) for entry in entries], _text(last)
+
+
+def wait_for_bell(client: Any, model: str, after: str, block_ms: int = BELL_BLOCK_MS) -> bool:
+    """Block until a job is enqueued after the bell entry ``after`` (True) or ``block_ms``
+    pass (False)."""
+    return bool(client.xread({bell_stream(model): after}, count=1, block=block_ms))
+
+
+def _fields(flat: list[Any]) -> dict[Any, Any]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# -- the fleet: what the web's gate knows of each daemon ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEntry:
+    """One daemon, as its heartbeat writes it under ``fleet_key(model)``."""
+
+    at: float  # unix seconds of the heartbeat (older than HEARTBEAT_TTL_S: not counted)
+    taking: bool  # serving and not drained: its queue allowance counts
+    max_queue: int  # MAX_QUEUE: jobs waiting for the model it adds to the gate's limit
+    max_queue_per_tenant: int  # MAX_QUEUE_PER_TENANT: what it adds to a tenant's share
+    drain_per_s: float  # jobs it took per second lately (the Retry-After's rate)
+    capacity: int  # jobs it holds at most (slots + local queue)
+    held: int  # jobs it holds now
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+# The gate, run first in the tenant-limits admission script (wire/limits.py ``admit``):
+# KEYS[g], KEYS[g+1], KEYS[g+2] = ready, tenants, fleet; ARGV[a] .. ARGV[a+4] = tenant id,
+# the tenant's own cap per daemon (-1: the daemons' MAX_QUEUE_PER_TENANT), the oldest
+# heartbeat that counts (unix s), the codes for queue_full and tenant_queue_full.
+# Refuses with ``refuse_here(code, limit, how, retry, used)`` of the admission script. With no
+# live daemon counted it admits: the web waits for one (a restart) as before.
+def gate_lua(g: int, a: int) -> str:
+    return f"""
+do
+  local fleet = redis.call('HGETALL', KEYS[{g + 2}])
+  local live, cap, share, rate, free = 0, 0, 0, 0, 0
+  for i = 1, #fleet, 2 do
+    local ok, d = pcall(cjson.decode, fleet[i + 1])
+    if ok and type(d) == 'table' and tonumber(d.at) and tonumber(d.at) >= tonumber(ARGV[{a + 2}])
+        and d.taking == true then
+      live = live + 1
+      -- its queue allowance, and the room it had at its last beat (a burst after a quiet
+      -- spell is not refused before the daemons could take it)
+      free = free + math.max(0, (tonumber(d.capacity) or 0) - (tonumber(d.held) or 0))
+      cap = cap + (tonumber(d.max_queue) or 0)
+      share = share + (tonumber(d.max_queue_per_tenant) or 0)
+      rate = rate + (tonumber(d.drain_per_s) or 0)
+    end
+  end
+  if live > 0 then
+    rate = math.max(rate, 0.1 * live)
+    cap = cap + free
+    local waiting = redis.call('ZCARD', KEYS[{g}])
+    local function wait_s(n)
+      return math.min({RETRY_AFTER_MAX_S}, math.max({RETRY_AFTER_MIN_S}, n / rate))
+    end
+    if waiting >= cap then
+      return refuse_here(ARGV[{a + 3}], 'queue', 'full', wait_s(waiting), waiting)
+    end
+    local own = tonumber(ARGV[{a + 1}])
+    if own >= 0 then share = own * live end
+    share = share + free
+    local mine = tonumber(redis.call('HGET', KEYS[{g + 1}], ARGV[{a}]) or '0')
+    if mine >= share then
+      local tenants = math.max(1, redis.call('HLEN', KEYS[{g + 1}]))
+      return refuse_here(ARGV[{a + 4}], 'tenant_queue', 'full', wait_s(mine * tenants), mine)
+    end
+  end
+end
+"""
+
+
+def gate_keys(model: str) -> list[str]:
+    return [ready_key(model), tenants_key(model), fleet_key(model)]
+
+
+def gate_args(tenant_id: str, tenant_cap: int | None, now: float, ttl_s: float,
+              queue_full: str, tenant_queue_full: str) -> list[Any]:
+    return [tenant_id, -1 if tenant_cap is None else int(tenant_cap), repr(now - ttl_s),
+            queue_full, tenant_queue_full]
+
+
+def retry_after(waiting: int, drain_per_s: float) -> int:
+    """The gate's Retry-After for ``waiting`` jobs ahead draining at ``drain_per_s`` (the
+    Python twin of the Lua, for the docs and tests)."""
+    rate = max(drain_per_s, 0.1)
+    return int(math.ceil(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, waiting / rate))))
