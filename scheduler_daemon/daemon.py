@@ -56,12 +56,15 @@ class SchedulerDaemon:
         fault_injection: bool = False,
         history: HistorySink | None = None,
         capacity: int | None = None,
+        queue_allowance: tuple[int, int] | None = None,
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
         ``stream_interval_s``: see ``EventWriter``. ``fault_injection``: the test-only hook
         (``intake.FAULT_MARKER``). ``capacity``: the jobs it holds at most (its slots plus
-        its local queue; default: ``intake.PREPARE_QUEUE_MAX``)."""
+        its local queue; default: ``intake.PREPARE_QUEUE_MAX``). ``queue_allowance``: what
+        it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT; default: the core's
+        queue caps)."""
         self.core = core
         self.redis = client
         self.model = model
@@ -81,6 +84,10 @@ class SchedulerDaemon:
         self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
         self.watch = Watch(client, self.lifecycle, core.cancel, self.writer.is_live)
         self.intake.started.append(self.watch.started)
+        config = core.scheduler.config
+        self.queue_allowance = queue_allowance or (
+            config.max_queue,
+            config.max_queue if config.max_queue_per_scope is None else config.max_queue_per_scope)
         self._threads: dict[str, threading.Thread] = {}
         core.listeners.append(self.writer.on_event)
         core.tick_listeners.append(lambda _stats: self.writer.wake())
@@ -140,12 +147,10 @@ class SchedulerDaemon:
 
     def fleet_entry(self) -> queue.FleetEntry:
         """What the web's queue gate counts of this daemon (wire/queue.py)."""
-        config = self.core.scheduler.config
+        max_queue, per_tenant = self.queue_allowance
         return queue.FleetEntry(
             at=time.time(), taking=self.lifecycle.state is State.SERVING,
-            max_queue=config.max_queue,
-            max_queue_per_tenant=(config.max_queue if config.max_queue_per_scope is None
-                                  else config.max_queue_per_scope),
+            max_queue=max_queue, max_queue_per_tenant=per_tenant,
             drain_per_s=round(self.intake.drain_per_s(), 3), capacity=self.intake.capacity,
             held=self.intake.held())
 

@@ -27,6 +27,9 @@ from .lifecycle import Lifecycle, State
 
 log = logging.getLogger(__name__)
 
+PRUNE_EVERY_BEATS = 60
+FLEET_ENTRY_MAX_AGE_S = 600.0
+
 
 class Heartbeat:
     """Builds and publishes the snapshot (``run`` is its thread, until ``STOPPING``)."""
@@ -55,6 +58,7 @@ class Heartbeat:
         self.running_key = protocol.running_key(daemon_id)
         self.fleet = fleet
         self.fleet_key = queue.fleet_key(model)
+        self._beats = 0
 
     def snapshot(self) -> dict[str, Any]:
         """The state published for the admin, /v1/health and /metrics (no prompt text)."""
@@ -87,6 +91,23 @@ class Heartbeat:
         if self.fleet is not None:
             pipe.hset(self.fleet_key, self.daemon_id, self.fleet().encode())
         pipe.execute()
+        self._beats += 1
+        if self.fleet is not None and self._beats % PRUNE_EVERY_BEATS == 1:
+            self._prune_fleet(snap["heartbeat_at"])
+
+    def _prune_fleet(self, now: float) -> None:
+        """Drop the fleet entries of daemons that died without a goodbye (the web's gate
+        ignores them already; this keeps the hash bounded)."""
+        stale = []
+        for daemon_id, raw in self.redis.hgetall(self.fleet_key).items():
+            try:
+                at = float(json.loads(raw)["at"])
+            except (ValueError, KeyError, TypeError):
+                at = 0.0
+            if now - at > FLEET_ENTRY_MAX_AGE_S:
+                stale.append(daemon_id)
+        if stale:
+            self.redis.hdel(self.fleet_key, *stale)
 
     def run(self) -> None:
         # Redis away: retried with backoff, but never slower than the usual interval (a

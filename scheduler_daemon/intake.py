@@ -336,8 +336,10 @@ class Intake:
                 echo = (self.core.prompt_text(job.prompt) if job.prompts is None else
                         [self.core.prompt_text(p) for p in job.prompts for _ in range(job.n)])
             continuation = takeover.continuation
+            arguments = submit_arguments(job)  # checked, max_queued too ...
+            arguments["max_queued"] = None  # ... but the tenant's share is the web's gate
             prompt_tokens = self.core.enqueue(
-                **submit_arguments(job), continuation=continuation,
+                **arguments, continuation=continuation,
                 # its timings (duration, ttft) count from its first queueing, not the takeover
                 since=job.enqueued_at if continuation and _is_time(job.enqueued_at) else None,
             )

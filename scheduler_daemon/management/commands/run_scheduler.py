@@ -95,7 +95,11 @@ class Command(BaseCommand):
             raise CommandError(f"Redis does not answer at {settings.REDIS_URL}: {exc}") from None
         t0 = time.monotonic()
         log.info("loading %s (model name %r) ...", settings.MODEL_PATH, settings.MODEL_NAME)
-        core = InferenceCore.from_settings()
+        # The daemon holds at most its slots + LOCAL_QUEUE jobs (the rest waits in Redis,
+        # where the web's gate applies MAX_QUEUE and the tenants' shares): its core's own
+        # queue caps must not refuse what it took.
+        capacity = settings.N_PARALLEL + settings.LOCAL_QUEUE
+        core = InferenceCore.from_settings(max_queue=capacity, max_queue_per_tenant=capacity)
         log.info("model loaded in %.1f s", time.monotonic() - t0)
         daemon = SchedulerDaemon(
             core,
@@ -106,7 +110,8 @@ class Command(BaseCommand):
             stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
             fault_injection=settings.FAULT_INJECTION,
             history=DatabaseHistory(),
-            capacity=settings.N_PARALLEL + min(settings.LOCAL_QUEUE, settings.MAX_QUEUE),
+            capacity=capacity,
+            queue_allowance=(settings.MAX_QUEUE, settings.MAX_QUEUE_PER_TENANT),
         )
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
         core.start()
