@@ -32,6 +32,17 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use true or false)")
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (any case)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def env_int(name: str, default: int) -> int:
     return _env_number(name, default, int, "an integer")
 

@@ -10,7 +10,15 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from config.env import env_bool, env_float, env_int, env_list, env_str, local_secret_key
+from config.env import (
+    env_bool,
+    env_choice,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    local_secret_key,
+)
 from config.models import DEFAULT_MODELS
 from config.models import default_path as default_model_path
 
@@ -227,6 +235,13 @@ DEFAULT_MAX_TOKENS = env_int("DEFAULT_MAX_TOKENS", 512)
 # Redis, where any daemon of the model can take them.
 MAX_QUEUE = env_int("MAX_QUEUE", 64)
 LOCAL_QUEUE = env_int("LOCAL_QUEUE", N_PARALLEL)
+# Routing in a fleet of daemons of one model (docs/fleet.md): cache_aware (a session's
+# daemon, else the longest match of the prompt's salted prefix hashes, unless that daemon is
+# busier than the least loaded by more than ROUTE_BALANCE_ABS jobs *and* ROUTE_BALANCE_REL
+# times), round_robin, or shared (whoever has room takes each job).
+ROUTING = env_choice("ROUTING", "cache_aware", ("cache_aware", "round_robin", "shared"))
+ROUTE_BALANCE_ABS = env_float("ROUTE_BALANCE_ABS", 4.0)
+ROUTE_BALANCE_REL = env_float("ROUTE_BALANCE_REL", 1.5)
 # Fair shares (docs/security.md): waiting jobs one tenant may hold in a daemon's queue (a
 # tenant's own `max_queued` wins), and the most of the KV budget one tenant's running
 # requests may reserve (also the most one request may ask for: prompt + max_tokens).

@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from config.env import env_float
 from inference.errors import ApiError
 from inference.stream_reader import Follower, StreamReader
-from wire import ownership, protocol, queue
+from wire import affinity, ownership, protocol, queue
 from wire.backoff import Backoff
 
 T = TypeVar("T")
@@ -376,13 +376,26 @@ async def enqueue(job: protocol.Job, watch_ms: int = 0) -> None:
     exists: one round trip, and no daemon sees it unwatched."""
     script, keys, args = queue.enqueue_call(
         job.model, job.encode()["job"], job.tenant_id, protocol.watch_key(job.id), watch_ms,
-        protocol.JOBS_MAX_PENDING)
-    added = await async_client().eval(script, len(keys), *keys, *args)
+        protocol.JOBS_MAX_PENDING, route_of(job))
+    added = queue.placed(await async_client().eval(script, len(keys), *keys, *args))
     if added is None:
         raise ApiError("service_unavailable",
                        f"{protocol.JOBS_MAX_PENDING} requests are already waiting for the "
                        f"model {job.model!r}; try again shortly.",
                        headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
+
+
+def route_of(job: protocol.Job) -> queue.Route:
+    """How the enqueue places ``job`` in a fleet (settings ROUTING, ROUTE_BALANCE_ABS,
+    ROUTE_BALANCE_REL; wire/queue.py ENQUEUE says what each does)."""
+    session = (affinity.session_key(job.model, job.session_hash) if job.session_hash
+               else "")
+    return queue.Route(
+        mode=str(getattr(settings, "ROUTING", queue.ROUTE_CACHE_AWARE)),
+        balance_abs=float(getattr(settings, "ROUTE_BALANCE_ABS", 4)),
+        balance_rel=float(getattr(settings, "ROUTE_BALANCE_REL", 1.5)),
+        session_key=session, chain=tuple(job.affinity or ()),
+        summary_prefix=affinity.summary_key(""))
 
 
 async def read_events(

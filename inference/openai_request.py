@@ -11,6 +11,7 @@ prompt's UTF-8 size is capped by ``MAX_PROMPT_BYTES`` before anything tokenizes 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -22,7 +23,7 @@ from django.conf import settings
 
 from inference import tools
 from inference.errors import ApiError, invalid
-from wire import protocol
+from wire import affinity, protocol
 from wire.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameter
 from wire.messages import parse_messages
 from wire.sampling import FIELD_NAMES, RANGES, SamplingParams, require_text
@@ -119,7 +120,29 @@ class ParsedRequest:
             echo=self.echo,
             n=self.n,
             prompts=self.prompts,
+            **self._routing(tenant_id),
         )
+
+    def _routing(self, tenant_id: str) -> dict[str, Any]:
+        """Its affinity chain and session hash, salted by the tenant (wire/affinity.py):
+        generation only (tokenize and embeddings go to whichever daemon has room)."""
+        if self.kind not in (protocol.COMPLETION_KIND, protocol.CHAT_KIND):
+            return {}
+        salt = _tenant_salt(tenant_id)
+        chain = affinity.chain(salt, affinity.prompt_text(self.prompt, self.messages,
+                                                          self.prompts))
+        return {"affinity": chain or None,
+                "session_hash": affinity.session_hash(salt, self.session) if self.session
+                else None}
+
+
+def _tenant_salt(tenant_id: str) -> bytes:
+    return _salt(settings.SECRET_KEY, tenant_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt(secret: str, tenant_id: str) -> bytes:
+    return affinity.tenant_salt(secret, tenant_id)
 
 
 def load_json(raw: bytes | str) -> Any:

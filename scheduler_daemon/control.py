@@ -47,6 +47,7 @@ class Control:
         self.daemon_id = daemon_id
         self.lifecycle = lifecycle
         self.on_change = on_change
+        self.on_evict_scope: Callable[[str], None] | None = None  # told the scope evicted
 
     def cancel_loop(self) -> None:
         outage = Backoff("listening for cancels", log)
@@ -122,6 +123,8 @@ class Control:
             self.lifecycle.move(State.SERVING)
         elif action == "evict_scope":
             evicted = self.core.scheduler.evict_scope(str(command["scope"]))
+            if self.on_evict_scope is not None:
+                self.on_evict_scope(str(command["scope"]))
             log.warning("evicted %s cached prefix entries of scope %s", evicted, command["scope"])
         else:
             raise ValueError(f"unknown control action {action!r}")

@@ -79,9 +79,10 @@ class SchedulerDaemon:
         )
         self.heartbeat = Heartbeat(
             core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected,
-            config_info, fleet=self.fleet_entry,
+            config_info, fleet=self.fleet_entry, intake=self.intake,
         )
         self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
+        self.control.on_evict_scope = self.intake.forget_tenant
         self.watch = Watch(client, self.lifecycle, core.cancel, self.writer.is_live)
         self.intake.started.append(self.watch.started)
         config = core.scheduler.config

@@ -21,8 +21,11 @@ import redis
 
 from wire import protocol, queue
 from wire.backoff import Backoff
+from wire.protocol import as_text
 
+from .affinity import SUMMARY_TTL_S
 from .core import InferenceCore
+from .intake import Intake
 from .lifecycle import Lifecycle, State
 
 log = logging.getLogger(__name__)
@@ -44,9 +47,11 @@ class Heartbeat:
         rejected: Counter[str],
         config_info: dict[str, Any] | None = None,
         fleet: Callable[[], queue.FleetEntry] | None = None,
+        intake: Intake | None = None,
     ) -> None:
         """``rejected``: the intake's count of jobs answered with an error before starting.
-        ``fleet``: this daemon's entry in the model's fleet hash, built at each beat."""
+        ``fleet``: this daemon's entry in the model's fleet hash, built at each beat;
+        ``intake``: whose affinity summary it keeps alive and whose counts it shows."""
         self.core = core
         self.redis = client
         self.model = model
@@ -57,6 +62,7 @@ class Heartbeat:
         self.started_at = time.time()
         self.running_key = protocol.running_key(daemon_id)
         self.fleet = fleet
+        self.intake = intake
         self.fleet_key = queue.fleet_key(model)
         self._beats = 0
 
@@ -74,7 +80,17 @@ class Heartbeat:
             "draining": self.lifecycle.state is State.PAUSED,  # the operator's drain, in effect
             "rejected": dict(self.rejected),
             **self.core.snapshot(),
+            **self._fleet_info(),
         }
+
+    def _fleet_info(self) -> dict[str, Any]:
+        """The fleet's view of this daemon: what the gate counts, jobs taken per tenant, the
+        affinity summary's size per tenant (counts only)."""
+        if self.fleet is None or self.intake is None:
+            return {}
+        return {"fleet": {**json.loads(self.fleet().encode()),
+                          "taken_by_tenant": dict(self.intake.taken_by_tenant),
+                          "affinity_entries": self.intake.summary.by_tenant()}}
 
     def beat(self) -> None:
         """Publish the snapshot now; keep this daemon's running record alive."""
@@ -90,9 +106,18 @@ class Heartbeat:
         pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
         if self.fleet is not None:
             pipe.hset(self.fleet_key, self.daemon_id, self.fleet().encode())
+        resync = self._beats % PRUNE_EVERY_BEATS == 0
+        if self.intake is not None:
+            summary = self.intake.summary_key
+            if resync:  # the whole summary again now and then (a write lost to an outage)
+                pipe.delete(summary)
+                held = self.intake.summary.all()
+                if held:
+                    pipe.sadd(summary, *held)
+            pipe.expire(summary, SUMMARY_TTL_S)
         pipe.execute()
         self._beats += 1
-        if self.fleet is not None and self._beats % PRUNE_EVERY_BEATS == 1:
+        if self.fleet is not None and resync:
             self._prune_fleet(snap["heartbeat_at"])
 
     def _prune_fleet(self, now: float) -> None:
@@ -106,6 +131,8 @@ class Heartbeat:
                 at = 0.0
             if now - at > FLEET_ENTRY_MAX_AGE_S:
                 stale.append(daemon_id)
+        for daemon_id in stale:
+            queue.drain_back(self.redis, self.model, as_text(daemon_id))
         if stale:
             self.redis.hdel(self.fleet_key, *stale)
 
@@ -129,8 +156,14 @@ class Heartbeat:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(protocol.daemon_key(self.daemon_id))
         pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
-        pipe.hdel(self.fleet_key, self.daemon_id)
+        pipe.hdel(self.fleet_key, self.daemon_id)  # no job is routed here from now on
+        if self.intake is not None:
+            pipe.delete(self.intake.summary_key)
         pipe.set(protocol.gone_key(self.daemon_id), 1, ex=protocol.GONE_TTL_S)
         pipe.execute()
+        if self.fleet is not None:  # what was routed here and not taken goes to the others
+            moved = queue.drain_back(self.redis, self.model, self.daemon_id)
+            if moved:
+                log.warning("moved %d jobs routed here back to the shared queue", moved)
         if not self.redis.hlen(self.running_key):
             self.redis.delete(self.running_key)

@@ -36,10 +36,12 @@ from typing import Any
 
 import redis
 
+from wire import affinity as wire_affinity
 from wire import errors, ownership, protocol, queue
 from wire.backoff import Backoff
 from wire.errors import Refusal
 
+from .affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
 from .core import InferenceCore
 from .event_writer import EventWriter
 from .fair_queue import FairQueue
@@ -139,6 +141,9 @@ class Intake:
         self._taken_lock = threading.Lock()
         self._bell = "0-0"  # the queue's bell entry seen last (wait for one after it)
         self._last_alive = 0.0
+        self.summary = AffinitySummary()  # the chains of the jobs started here
+        self.summary_key = wire_affinity.summary_key(daemon_id)
+        self.taken_by_tenant: Counter[str] = Counter()  # jobs started here, per tenant
 
     def held(self) -> int:
         """Jobs this daemon holds: taken and not started, being started, or not ended."""
@@ -306,7 +311,8 @@ class Intake:
             # Before any native code sees the job: if it kills this daemon, the next one
             # knows the job was running here (recovery.py). Its terminal event removes it.
             pipe.hset(self.running_key, job.id, fingerprint)
-            return pipe.execute()
+            self._publish_affinity(pipe, job)
+            return pipe.execute()[:4]
 
         owned, cancelled, quarantined, _ = self._while_redis_away(checks)
         if not owned:
@@ -355,6 +361,33 @@ class Intake:
                 self.core.cancel(job.id)
         except redis.RedisError:
             log.warning("could not re-check the cancel flag of %s", job.id)
+
+    def _publish_affinity(self, pipe: Any, job: protocol.Job) -> None:
+        """Queue on ``pipe`` what the fleet's routing learns from a job started here: its
+        chain into this daemon's summary, its session's daemon (wire/affinity.py). Shapes a
+        rogue writer got wrong are ignored: routing is a hint."""
+        if job.kind not in (protocol.COMPLETION_KIND, protocol.CHAT_KIND):
+            return
+        self.taken_by_tenant[job.tenant_id] += 1
+        chain = job.affinity
+        if isinstance(chain, list) and len(chain) <= wire_affinity.MAX_PIECES and all(
+                isinstance(d, str) and len(d) == 2 * wire_affinity.HASH_BYTES for d in chain):
+            added, removed = self.summary.record(job.tenant_id, chain)
+            if added:
+                pipe.sadd(self.summary_key, *added)
+            if removed:
+                pipe.srem(self.summary_key, *removed)
+            pipe.expire(self.summary_key, SUMMARY_TTL_S)
+        session = job.session_hash
+        if isinstance(session, str) and len(session) == 2 * wire_affinity.HASH_BYTES:
+            pipe.set(wire_affinity.session_key(self.model, session), self.daemon_id,
+                     ex=SESSION_TTL_S)
+
+    def forget_tenant(self, tenant: str) -> None:
+        """The tenant's cached prefixes were evicted here: its summary entries go too."""
+        removed = self.summary.forget(tenant)
+        if removed:
+            self.redis.srem(self.summary_key, *removed)
 
     def _answer_vocabulary(self, job: protocol.Job, entry_id: str) -> None:
         """A tokenize/detokenize job: answered here, on the preparer thread, from the

@@ -125,13 +125,20 @@ def fleet_entries(model: str) -> list[dict]:
 
 
 def test_a_killed_daemons_jobs_are_served_by_the_other(web, fleet):
+    """A session's turns are routed to its daemon (some wait there, routed); it is killed:
+    the ones it ran are continued by the other, the ones routed to it move back to the
+    shared queue and the other takes them."""
     _, key = make_tenant(web)
-    victim, survivor = fleet
+    model, session = fleet[0].model, f"kill-{uuid.uuid4().hex[:6]}"
+    first, _ = complete(web, model, key, "Once upon a time", session)
+    victim = next(d for d in fleet if d.daemon_id == served_by(first))
+    survivor = next(d for d in fleet if d is not victim)
+    before = routes(model).get(f"session:{victim.daemon_id}", 0)
     results: dict[int, tuple] = {}
 
     def one(i: int) -> None:
-        body = {"model": victim.model, "prompt": f"Tell me a story, part {i}:", "stream": True,
-                "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        body = {"model": model, "prompt": f"Tell me a story, part {i}:", "stream": True,
+                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "session": session}
         reply = web.request("POST", "/v1/completions", body, key, timeout=300)
         chunks = [json.loads(d) for _, d in reply.sse() if d != "[DONE]"]
         results[i] = (reply.status, reply.header("X-Request-Id"), chunks)
@@ -139,8 +146,8 @@ def test_a_killed_daemons_jobs_are_served_by_the_other(web, fleet):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: victim.snapshot().get("queue") or
-               any(s.get("request_id") for s in victim.snapshot().get("slots", [])),
+    wait_until(lambda: routes(model).get(f"session:{victim.daemon_id}", 0) >= before + 4
+               and any(s.get("request_id") for s in victim.snapshot().get("slots", [])),
                timeout_s=60)
     victim.kill()
     for thread in threads:
@@ -150,6 +157,79 @@ def test_a_killed_daemons_jobs_are_served_by_the_other(web, fleet):
         for status, _, chunks in results.values():
             assert status == 200 and not [c for c in chunks if "error" in c], chunks[-1:]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert {served_by(r) for _, r, _ in results.values()} >= {survivor.daemon_id}
+        assert {served_by(r) for _, r, _ in results.values()} == {survivor.daemon_id}
+        assert not redis_conn().exists(queue.routed_key(model, victim.daemon_id))
     finally:
         victim.start()  # the module's fleet again (a fresh id)
+
+
+SYSTEM = ("You are the assistant of a bakery. You answer questions about bread, cakes and "
+          "opening hours in one short sentence, politely, and never mention prices. ") * 4
+
+
+def complete(web, model: str, key: str, prompt: str, session: str | None = None,
+             max_tokens: int = 8) -> tuple[str, dict]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if session:
+        body["session"] = session
+    reply = web.request("POST", "/v1/completions", body, key, timeout=300)
+    assert reply.status == 200, reply.json()
+    return reply.header("X-Request-Id"), reply.json()
+
+
+def routes(model: str) -> dict[str, int]:
+    raw = redis_conn().hgetall(queue.routes_key(model))
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def test_a_conversation_stays_on_one_daemon_and_hits_its_cache(web, fleet):
+    _, key = make_tenant(web)
+    model, session = fleet[0].model, f"conv-{uuid.uuid4().hex[:6]}"
+    prompt, served, cached = SYSTEM, [], []
+    for turn in range(4):
+        prompt += f"\nCustomer: question number {turn}?\nAssistant:"
+        request_id, body = complete(web, model, key, prompt, session)
+        served.append(served_by(request_id))
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        prompt += body["choices"][0]["text"]
+    assert len(set(served)) == 1 and served[0] in {d.daemon_id for d in fleet}
+    assert all(c > 0 for c in cached[1:]), cached
+
+
+def test_another_tenant_sending_the_same_text_gets_no_affinity_and_no_cache(web, fleet):
+    _, key_a = make_tenant(web)
+    _, key_b = make_tenant(web)
+    model = fleet[0].model
+    text = SYSTEM + "\nCustomer: when do you open?\nAssistant:"
+    complete(web, model, key_a, text)
+    _, again = complete(web, model, key_a, text)  # tenant A: its own prefix, routed to it
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    before = routes(model)
+    _, other = complete(web, model, key_b, text)
+    after = routes(model)
+    assert after.get("affinity", 0) == before.get("affinity", 0)  # no match for B
+    assert after.get("least_loaded", 0) == before.get("least_loaded", 0) + 1
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert other["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"]
+
+
+def test_a_drained_daemon_gets_no_new_work_and_its_session_moves(web, fleet):
+    _, key = make_tenant(web)
+    model, session = fleet[0].model, f"drain-{uuid.uuid4().hex[:6]}"
+    first, _ = complete(web, model, key, SYSTEM + "\nCustomer: hi\nAssistant:", session)
+    drained = next(d for d in fleet if d.daemon_id == served_by(first))
+    other = next(d for d in fleet if d is not drained)
+    r = redis_conn()
+    r.xadd(protocol.control_stream(drained.daemon_id), protocol.encode_command("drain"))
+    try:
+        wait_until(lambda: drained.snapshot().get("draining"), timeout_s=30)
+        wait_until(lambda: not json.loads(r.hget(queue.fleet_key(model),
+                                                 drained.daemon_id))["taking"], timeout_s=10)
+        for turn in range(3):
+            request_id, _ = complete(web, model, key, SYSTEM + f"\nCustomer: {turn}?\nAssistant:",
+                                     session)
+            assert served_by(request_id) == other.daemon_id
+    finally:
+        r.xadd(protocol.control_stream(drained.daemon_id), protocol.encode_command("resume"))
+        wait_until(lambda: fleet_entries(model) and all(
+            e["taking"] for e in fleet_entries(model)), timeout_s=30)

@@ -22,8 +22,8 @@ from inference import limits
 from inference.errors import ApiError
 from scheduler_daemon.recovery import Recovery
 from tests.live_service import redis_conn
+from wire import affinity, protocol, queue
 from wire import limits as wire_limits
-from wire import protocol, queue
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_entries_added_without_the_script_are_swept_in_and_taken(model):
 
 def test_a_job_deleted_while_waiting_is_skipped(model):
     r = redis_conn()
-    gone = queue.enqueue(r, job(model, "A", "gone"))
+    gone = queue.enqueue(r, job(model, "A", "gone")).entry_id
     kept = job(model, "A", "kept")
     queue.enqueue(r, kept)
     r.xdel(protocol.jobs_stream(model), gone)
@@ -226,3 +226,179 @@ def test_taking_a_job_makes_room_at_the_gate(model):
     assert admit(model, "B").code == "queue_full"
     queue.take(r, model, "d1", 1)
     assert admit(model, "B") is None
+
+
+# -- routing (ENQUEUE's placement; the web computes the chain: wire/affinity.py) ----------------
+
+
+def route(mode: str = queue.ROUTE_CACHE_AWARE, session: str = "", chain=(),
+          **kw) -> queue.Route:
+    return queue.Route(mode=mode, session_key=session, chain=tuple(chain), **kw)
+
+
+def two_daemons(r, model: str, **loads) -> None:
+    for daemon in ("d1", "d2"):
+        fleet(r, model, daemon, max_queue=50, held=loads.get(daemon, 0))
+
+
+def summary(r, daemon: str, *hashes: str) -> None:
+    r.delete(affinity.summary_key(daemon))
+    if hashes:
+        r.sadd(affinity.summary_key(daemon), *hashes)
+
+
+@pytest.fixture
+def daemons():
+    yield
+    redis_conn().delete(affinity.summary_key("d1"), affinity.summary_key("d2"),
+                        affinity.summary_key("d3"))
+
+
+def test_the_longest_affinity_match_wins_and_only_that_daemon_takes_it(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    summary(r, "d2", "h1", "h2")
+    placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1", "h2", "h3"]))
+    assert (placed.reason, placed.daemon) == ("affinity", "d2")
+    assert r.zcard(queue.routed_key(model, "d2")) == 1 and r.zcard(queue.ready_key(model)) == 0
+    assert queue.take(r, model, "d1", 5)[0] == []  # routed elsewhere: not d1's to take
+    assert len(queue.take(r, model, "d2", 5)[0]) == 1
+    assert int(r.hget(queue.routes_key(model), "affinity:d2")) == 1
+
+
+def test_a_match_must_start_at_the_first_piece(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h2", "h3")  # the same later pieces after another first one
+    placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1", "h2", "h3"]))
+    assert (placed.reason, placed.daemon) == ("least_loaded", "")
+
+
+def test_a_busy_affinity_daemon_is_passed_over_for_the_shared_queue(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model, d1=8, d2=0)
+    summary(r, "d1", "h1")
+    placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=4,
+                                                            balance_rel=1.5))
+    assert (placed.reason, placed.daemon) == ("least_loaded", "")
+    assert r.zcard(queue.ready_key(model)) == 1
+    # within the thresholds it still goes there
+    placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=10))
+    assert (placed.reason, placed.daemon) == ("affinity", "d1")
+
+
+def test_jobs_routed_to_a_daemon_count_in_its_load(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    reasons = [queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=2,
+                                                              balance_rel=1.0)).reason
+               for _ in range(5)]
+    assert reasons == ["affinity"] * 3 + ["least_loaded"] * 2  # past 2 more than d2's 0
+
+
+def test_a_session_sticks_to_its_daemon_over_affinity(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    key = affinity.session_key(model, "s" * 16)
+    r.set(key, "d2", ex=60)
+    try:
+        placed = queue.enqueue(r, job(model, "A"), route=route(session=key, chain=["h1"]))
+        assert (placed.reason, placed.daemon) == ("session", "d2")
+        r.set(key, "gone-daemon", ex=60)  # its daemon is not live: affinity decides
+        placed = queue.enqueue(r, job(model, "A"), route=route(session=key, chain=["h1"]))
+        assert (placed.reason, placed.daemon) == ("affinity", "d1")
+    finally:
+        r.delete(key)
+
+
+def test_no_hint_one_daemon_or_shared_routing_use_the_shared_queue(model, daemons):
+    r = redis_conn()
+    fleet(r, model, "d1", max_queue=50)
+    summary(r, "d1", "h1")
+    assert queue.enqueue(r, job(model, "A"), route=route(chain=["h1"])).reason == "fallback"
+    fleet(r, model, "d2", max_queue=50)
+    assert queue.enqueue(r, job(model, "A"), route=route()).reason == "fallback"
+    placed = queue.enqueue(r, job(model, "A"), route=route(queue.ROUTE_SHARED, chain=["h1"]))
+    assert (placed.reason, placed.daemon) == ("fallback", "")
+    assert r.zcard(queue.ready_key(model)) == 3
+
+
+def test_round_robin_takes_the_live_daemons_in_turn(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    fleet(r, model, "d3", taking=False)  # drained: never routed to
+    placed = [queue.enqueue(r, job(model, "A"), route=route(queue.ROUTE_ROUND_ROBIN)).daemon
+              for _ in range(4)]
+    assert sorted(placed) == ["d1", "d1", "d2", "d2"] and placed[0] != placed[1]
+
+
+def test_what_was_routed_to_a_gone_or_drained_daemon_goes_back_to_the_shared_queue(model,
+                                                                                daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    routed = [queue.enqueue(r, job(model, "A"), route=route(chain=["h1"])) for _ in range(2)]
+    assert {p.daemon for p in routed} == {"d1"}
+    assert queue.waiting(r, model) == 2
+    fleet(r, model, "d1", taking=False)  # an operator drained it
+    assert len(queue.take(r, model, "d2", 1)[0]) == 1
+    fleet(r, model, "d1", at=time.time() - 60)  # now it died
+    assert len(queue.take(r, model, "d2", 5)[0]) == 1
+    assert not r.exists(queue.routed_key(model, "d1"))
+
+
+def test_a_stopping_daemon_hands_its_routed_jobs_to_the_shared_queue(model, daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    queue.enqueue(r, job(model, "A"), route=route(chain=["h1"]))
+    assert queue.drain_back(r, model, "d1") == 1
+    assert r.zcard(queue.ready_key(model)) == 1
+
+
+def test_the_gate_counts_routed_jobs_as_waiting(model, daemons):
+    r = redis_conn()
+    fleet(r, model, "d1", max_queue=1)
+    fleet(r, model, "d2", max_queue=1)
+    summary(r, "d1", "h1")
+    for _ in range(2):
+        assert admit(model, "A", max_queued=9) is None
+        queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=9))
+    assert r.zcard(queue.ready_key(model)) == 0
+    assert admit(model, "B").code == "queue_full"
+
+
+# -- affinity chains ----------------------------------------------------------------------------
+
+
+def test_a_chain_hashes_whole_leading_pieces_and_shares_a_common_prefix():
+    salt = affinity.tenant_salt("secret", "7")
+    base = "s" * affinity.PIECE_CHARS * 2
+    one, two = affinity.chain(salt, base + "x" * 300), affinity.chain(salt, base + "y" * 300)
+    assert len(one) == len(two) == 3 and one[:2] == two[:2] and one[2] != two[2]
+    assert affinity.chain(salt, "short") == []  # no whole piece: no hint
+    assert len(affinity.chain(salt, "z" * 10**6)) == affinity.MAX_PIECES
+
+
+def test_another_tenants_chain_of_the_same_text_shares_nothing():
+    text = "The system prompt of tenant A. " * 40
+    a = affinity.chain(affinity.tenant_salt("secret", "1"), text)
+    b = affinity.chain(affinity.tenant_salt("secret", "2"), text)
+    assert a and b and not set(a) & set(b)
+    # and under another service secret, another chain again
+    assert not set(a) & set(affinity.chain(affinity.tenant_salt("other", "1"), text))
+
+
+def test_chat_messages_hash_by_role_and_content():
+    salt = affinity.tenant_salt("secret", "1")
+    system = {"role": "system", "content": "Be brief. " * 60}
+    first = affinity.prompt_text(None, [system, {"role": "user", "content": "Hi"}])
+    later = affinity.prompt_text(None, [system, {"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": "Hello"}])
+    assert affinity.chain(salt, later)[:len(affinity.chain(salt, first))] == \
+        affinity.chain(salt, first)
+    as_user = affinity.prompt_text(None, [{**system, "role": "user"}])
+    assert affinity.chain(salt, as_user)[0] != affinity.chain(salt, first)[0]

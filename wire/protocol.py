@@ -207,6 +207,10 @@ class Job:
     echo: bool = False  # a completion's prompt text comes back first (its ``accepted`` event)
     n: int = 1  # choices: the prompt is prefilled once and sampled n ways (seed + index)
     prompts: list[Any] | None = None  # a completion's several prompts (then ``prompt`` is None)
+    # Routing in a fleet (wire/affinity.py): the chain of its leading text's piece hashes and
+    # its session's hash, both salted by the tenant; the daemon that starts it records them.
+    affinity: list[str] | None = None
+    session_hash: str | None = None
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""

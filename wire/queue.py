@@ -20,8 +20,13 @@ Tags     ``llm:queue:tags:<model>``       hash: tenant -> the tag its next job s
 Clock    ``llm:queue:clock:<model>``      the tag of the job taken last (the virtual time)
 Bell     ``llm:queue:bell:<model>``       a short stream, one tiny entry per enqueue: what an
                                           idle daemon blocks on (never the job itself)
-Fleet    ``llm:fleet:<model>``            hash: daemon id -> JSON of what the gate needs from
-                                          it (``FleetEntry``), written with its heartbeat
+Fleet    ``llm:fleet:<model>``            hash: daemon id -> JSON of what the gate and the
+                                          routing need from it (``FleetEntry``), written
+                                          with its heartbeat
+Routed   ``llm:queue:ready:<model>:d:<id>``  jobs routed to one daemon (cache affinity, its
+                                          session), waiting; moved back into the shared set
+                                          when it dies, drains or stops (``TAKE``)
+Routes   ``llm:route:<model>``            hash: route decisions by reason (and by daemon)
 
 Fair queueing: a job of tenant t gets the tag ``S = max(clock, tags[t])`` and moves
 ``tags[t]`` to ``S + 1``; daemons take the lowest tags first and move the clock to the
@@ -37,12 +42,27 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .protocol import JOBS_GROUP, JOBS_MAX_PENDING, PREFIX, Job, jobs_stream, watch_key
+from .protocol import (
+    HEARTBEAT_TTL_S,
+    JOBS_GROUP,
+    JOBS_MAX_PENDING,
+    PREFIX,
+    Job,
+    jobs_stream,
+    watch_key,
+)
 
 HOLDER = "__waiting__"  # the consumer waiting jobs are pending under
+# Routing (setting ROUTING): where ENQUEUE puts a job.
+ROUTE_CACHE_AWARE = "cache_aware"  # session, else the longest affinity match, if balanced
+ROUTE_ROUND_ROBIN = "round_robin"  # each live daemon in turn (a baseline)
+ROUTE_SHARED = "shared"  # every job in the shared set: whoever has room takes it
+ROUTES = (ROUTE_CACHE_AWARE, ROUTE_ROUND_ROBIN, ROUTE_SHARED)
+ROUTE_REASONS = ("affinity", "least_loaded", "session", "fallback", "round_robin")
 BELL_MAXLEN = 16
 # A daemon blocks this long on the bell at most (then it looks at the queue anyway: a job
 # added without ENQUEUE rings no bell).
@@ -79,20 +99,31 @@ def fleet_key(model: str) -> str:
 
 
 def keys_of(model: str) -> list[str]:
-    """Every key of a model's queue (a test's clean-up)."""
-    return [jobs_stream(model), ready_key(model), tenants_key(model), tags_key(model),
-            clock_key(model), bell_stream(model), fleet_key(model)]
+    """Every key of a model's queue but the routed sets (a test's clean-up)."""
+    return [*_queue_keys(model), routes_key(model)]
+
+
+def routed_key(model: str, daemon_id: str) -> str:
+    """Jobs routed to one daemon, waiting (the same members and tags as ``ready_key``)."""
+    return f"{ready_key(model)}:d:{daemon_id}"
+
+
+def routes_key(model: str) -> str:
+    """Route decisions: reason -> count, ``<reason>:<daemon>`` -> count, the round robin's
+    turn."""
+    return f"{PREFIX}:route:{model}"
 
 
 def _queue_keys(model: str) -> list[str]:
     return [jobs_stream(model), ready_key(model), tenants_key(model), tags_key(model),
-            clock_key(model), bell_stream(model)]
+            clock_key(model), bell_stream(model), fleet_key(model)]
 
 
-# Shared by ENQUEUE and TAKE: KEYS[1..6] = _queue_keys. Entries of the stream not yet
-# delivered to anyone are delivered to HOLDER and queued with their tags. ``known`` maps
-# the entry id just added by ENQUEUE to its tenant (no JSON is parsed for it).
-_SWEEP = f"""
+# Shared by the scripts: KEYS[1..7] = _queue_keys. ``sweep`` delivers the entries of the
+# stream not yet delivered to anyone to HOLDER and queues them (the one ENQUEUE just added,
+# ``known``, where its routing put it; others in the shared set). ``live_fleet`` reads the
+# fleet hash; ``drain_back`` moves a daemon's routed set into the shared one.
+_COMMON = f"""
 local function tenant_of(fields)
   for i = 1, #fields, 2 do
     if fields[i] == 'job' then
@@ -103,51 +134,141 @@ local function tenant_of(fields)
   end
   return '?'
 end
-local function sweep(known_id, known_tenant)
+local function routed(daemon) return KEYS[2] .. ':d:' .. daemon end
+local function sweep(known_id, known_tenant, known_set)
   local got = redis.call('XREADGROUP', 'GROUP', '{JOBS_GROUP}', '{HOLDER}', 'COUNT',
                          {SWEEP_COUNT}, 'STREAMS', KEYS[1], '>')
   if not got then return end
   local clock = tonumber(redis.call('GET', KEYS[5]) or '0')
   for _, entry in ipairs(got[1][2]) do
-    local id = entry[1]
-    local tenant = known_tenant
-    if id ~= known_id then tenant = tenant_of(entry[2]) end
+    local id, tenant, set = entry[1], known_tenant, known_set
+    if id ~= known_id then tenant, set = tenant_of(entry[2]), KEYS[2] end
     local start = math.max(clock, tonumber(redis.call('HGET', KEYS[4], tenant) or '0'))
     redis.call('HSET', KEYS[4], tenant, start + 1)
-    redis.call('ZADD', KEYS[2], start, id .. '|' .. tenant)
+    redis.call('ZADD', set, start, id .. '|' .. tenant)
     redis.call('HINCRBY', KEYS[3], tenant, 1)
   end
 end
+-- {{id -> entry}} of the fleet hash's daemons, and which of them are live and take jobs
+local function live_fleet(oldest)
+  local raw = redis.call('HGETALL', KEYS[7])
+  local all, live = {{}}, {{}}
+  for i = 1, #raw, 2 do
+    local ok, d = pcall(cjson.decode, raw[i + 1])
+    if not ok or type(d) ~= 'table' then d = {{}} end
+    all[raw[i]] = d
+    if tonumber(d.at) and tonumber(d.at) >= oldest and d.taking == true then
+      live[raw[i]] = d
+    end
+  end
+  return all, live
+end
+local function drain_back(daemon)
+  local key = routed(daemon)
+  local held = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  for i = 1, #held, 2 do redis.call('ZADD', KEYS[2], held[i + 1], held[i]) end
+  redis.call('DEL', key)
+  return #held / 2
+end
 """
 
-# KEYS: the queue's (_queue_keys), then the request's watch key
-# ARGV: the job's JSON, its tenant, the watch key's TTL (ms, 0: none), the stream's cap
-# Returns the entry id, or false when the stream holds the cap already.
-ENQUEUE = _SWEEP + f"""
+# KEYS: the queue's (_queue_keys), the request's watch key, the route counters
+# ARGV: the job's JSON, its tenant, the watch key's TTL (ms, 0: none), the stream's cap,
+#       the routing (ROUTE_SHARED, ROUTE_CACHE_AWARE, ROUTE_ROUND_ROBIN), the oldest
+#       heartbeat that counts, the balance thresholds (absolute, relative), the session's
+#       key ("": none), the affinity summaries' key prefix, then the chain's hashes.
+# Returns {entry id, reason, daemon or ""}, or false when the stream holds the cap already.
+# Where the job goes (cache_aware): the daemon of its session, if that one is live; else
+# the daemon whose summary holds the longest leading run of its chain; either only while
+# that daemon is not busier than the least loaded by more than both thresholds (load: its
+# jobs held at its last beat + those routed to it waiting); else the shared set, which any
+# daemon takes from when it has room (the least loaded, in effect). One live daemon, or no
+# chain and no session: the shared set ("fallback").
+ENQUEUE = _COMMON + f"""
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[4]) then return false end
-if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[7], 1, 'PX', ARGV[3]) end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[8], 1, 'PX', ARGV[3]) end
 redis.pcall('XGROUP', 'CREATE', KEYS[1], '{JOBS_GROUP}', '0', 'MKSTREAM')  -- BUSYGROUP: there
+local mode, reason, target = ARGV[5], 'fallback', nil
+if mode ~= '{ROUTE_SHARED}' then
+  local _, live = live_fleet(tonumber(ARGV[6]))
+  local ids, load, least = {{}}, {{}}, nil
+  for daemon, d in pairs(live) do
+    ids[#ids + 1] = daemon
+    load[daemon] = (tonumber(d.held) or 0) + redis.call('ZCARD', routed(daemon))
+    if least == nil or load[daemon] < least then least = load[daemon] end
+  end
+  table.sort(ids)
+  local abs, rel = tonumber(ARGV[7]), tonumber(ARGV[8])
+  local function balanced(daemon)
+    local l = load[daemon]
+    return not (l - least > abs and l > rel * least)
+  end
+  if #ids >= 2 and mode == '{ROUTE_ROUND_ROBIN}' then
+    local turn = redis.call('HINCRBY', KEYS[9], 'turn', 1)
+    target, reason = ids[(turn % #ids) + 1], 'round_robin'
+  elseif #ids >= 2 then
+    if ARGV[9] ~= '' then
+      local owner = redis.call('GET', ARGV[9])
+      if owner and load[owner] and balanced(owner) then target, reason = owner, 'session' end
+    end
+    if target == nil and #ARGV >= 11 then
+      local chain = {{}}
+      for i = 11, #ARGV do chain[#chain + 1] = ARGV[i] end
+      local best, best_run = nil, 0
+      for _, daemon in ipairs(ids) do
+        local has = redis.call('SMISMEMBER', ARGV[10] .. daemon, unpack(chain))
+        local run = 0
+        while run < #has and has[run + 1] == 1 do run = run + 1 end
+        if run > best_run or (run == best_run and run > 0 and load[daemon] < load[best]) then
+          best, best_run = daemon, run
+        end
+      end
+      if best ~= nil then
+        if balanced(best) then target, reason = best, 'affinity' else reason = 'least_loaded' end
+      end
+    end
+    if target == nil and reason == 'fallback' and (ARGV[9] ~= '' or #ARGV >= 11) then
+      reason = 'least_loaded'
+    end
+  end
+end
 local id = redis.call('XADD', KEYS[1], '*', 'job', ARGV[1])
-sweep(id, ARGV[2])
+local set = KEYS[2]
+if target ~= nil then set = routed(target) end
+sweep(id, ARGV[2], set)
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', {BELL_MAXLEN}, '*', 'n', 1)
-return id
+redis.call('HINCRBY', KEYS[9], reason, 1)
+if target ~= nil then redis.call('HINCRBY', KEYS[9], reason .. ':' .. target, 1) end
+return {{id, reason, target or ''}}
 """
 
 # KEYS: the queue's; ARGV: the daemon (consumer) id, how many jobs it can hold now (0:
-# none, it only shows it is alive). Returns {entries, the bell's last id}: each entry
-# {id, fields} as XCLAIM gives it, now pending under the daemon.
-TAKE = _SWEEP + f"""
-sweep(nil, nil)
+# none, it only shows it is alive), the oldest heartbeat that counts. Takes the lowest tag
+# of its own routed set and the shared one, first moving back into the shared set what
+# was routed to daemons that are gone or drained. Returns {entries, the bell's last id}:
+# each entry {id, fields} as XCLAIM gives it, now pending under the daemon.
+TAKE = _COMMON + f"""
+sweep(nil, nil, nil)
+local all, live = live_fleet(tonumber(ARGV[3]))
+for daemon, _ in pairs(all) do
+  if not live[daemon] and daemon ~= ARGV[1] then drain_back(daemon) end
+end
 redis.call('XGROUP', 'CREATECONSUMER', KEYS[1], '{JOBS_GROUP}', ARGV[1])
 redis.call('XREADGROUP', 'GROUP', '{JOBS_GROUP}', ARGV[1], 'COUNT', 1, 'STREAMS', KEYS[1],
            '{_TOUCH_ID}')
 local out = {{}}
 local want = tonumber(ARGV[2])
+local own = routed(ARGV[1])
 while #out < want do
-  local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local mine = redis.call('ZRANGE', own, 0, 0, 'WITHSCORES')
+  local shared = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local head, from = mine, own
+  if #mine == 0 or (#shared > 0 and tonumber(shared[2]) < tonumber(mine[2])) then
+    head, from = shared, KEYS[2]
+  end
   if #head == 0 then break end
   local member, tag = head[1], head[2]
-  redis.call('ZREM', KEYS[2], member)
+  redis.call('ZREM', from, member)
   redis.call('SET', KEYS[5], tag)
   local bar = string.find(member, '|', 1, true)
   local id, tenant = string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
@@ -155,37 +276,96 @@ while #out < want do
   local claimed = redis.call('XCLAIM', KEYS[1], '{JOBS_GROUP}', ARGV[1], 0, id)
   if claimed[1] then out[#out + 1] = claimed[1] end  -- else deleted meanwhile
 end
-if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
+if redis.call('HLEN', KEYS[3]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
 local bell = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)
 local last = '0-0'
 if bell[1] then last = bell[1][1] end
 return {{out, last}}
 """
 
+# KEYS: the queue's; ARGV: a daemon id. Its routed set back into the shared one (a daemon
+# that stops, or whose dead entry is pruned); returns how many jobs moved.
+DRAIN_BACK = _COMMON + """
+return drain_back(ARGV[1])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How ENQUEUE places one job: the routing, the thresholds, the job's session key and
+    affinity chain (wire/affinity.py)."""
+
+    mode: str = ROUTE_SHARED
+    balance_abs: float = 4.0
+    balance_rel: float = 1.5
+    session_key: str = ""
+    chain: tuple[str, ...] = ()
+    summary_prefix: str = f"{PREFIX}:affinity:"
+
+    def args(self, now: float) -> list[Any]:
+        return [self.mode, repr(now - HEARTBEAT_TTL_S), self.balance_abs, self.balance_rel,
+                self.session_key, self.summary_prefix, *self.chain]
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where ENQUEUE put a job: its entry id, why (ROUTE_REASONS), the daemon ("" shared)."""
+
+    entry_id: str
+    reason: str
+    daemon: str
+
 
 def enqueue_call(model: str, job_json: str, tenant_id: str, watch_key: str, watch_ms: int,
-                 cap: int) -> tuple[str, list[str], list[Any]]:
+                 cap: int, route: Route | None = None,
+                 now: float | None = None) -> tuple[str, list[str], list[Any]]:
     """(script, keys, args) of ENQUEUE, for a sync or an async client's ``eval``."""
-    return ENQUEUE, [*_queue_keys(model), watch_key], [job_json, tenant_id, watch_ms, cap]
+    route = route or Route()
+    now = time.time() if now is None else now
+    keys = [*_queue_keys(model), watch_key, routes_key(model)]
+    return ENQUEUE, keys, [job_json, tenant_id, watch_ms, cap, *route.args(now)]
 
 
-def enqueue(client: Any, job: Job, watch_ms: int = 0,
-            cap: int = JOBS_MAX_PENDING) -> str | None:
-    """ENQUEUE with a synchronous client (the web's async one: ``inference/broker.py``):
-    the entry id, None when the stream holds ``cap`` jobs already."""
+def placed(reply: Any) -> Placed | None:
+    """ENQUEUE's reply as a ``Placed`` (None: the stream was full)."""
+    if not reply:
+        return None
+    entry_id, reason, daemon = (_text(v) for v in reply)
+    return Placed(entry_id, reason, daemon)
+
+
+def enqueue(client: Any, job: Job, watch_ms: int = 0, cap: int = JOBS_MAX_PENDING,
+            route: Route | None = None) -> Placed | None:
+    """ENQUEUE with a synchronous client (the web's async one: ``inference/broker.py``)."""
     script, keys, args = enqueue_call(job.model, job.encode()["job"], job.tenant_id,
-                                      watch_key(job.id), watch_ms, cap)
-    added = client.eval(script, len(keys), *keys, *args)
-    return None if added is None else _text(added)
+                                      watch_key(job.id), watch_ms, cap, route)
+    return placed(client.eval(script, len(keys), *keys, *args))
 
 
 def take(client: Any, model: str, daemon_id: str, count: int) -> tuple[list[Any], str]:
-    """Take up to ``count`` jobs (fair across tenants) for ``daemon_id``: ([(entry id,
-    fields)], the bell's last id, to block on with ``wait_for_bell``). ``count`` 0 takes
-    nothing and only marks the daemon's consumer as alive."""
+    """Take up to ``count`` jobs (its routed ones and the shared ones, fair across tenants)
+    for ``daemon_id``: ([(entry id, fields)], the bell's last id, to block on with
+    ``wait_for_bell``). ``count`` 0 takes nothing and only marks the daemon's consumer as
+    alive (and moves gone daemons' routed jobs back)."""
     keys = _queue_keys(model)
-    entries, last = client.eval(TAKE, len(keys), *keys, daemon_id, max(0, int(count)))
+    entries, last = client.eval(TAKE, len(keys), *keys, daemon_id, max(0, int(count)),
+                                repr(time.time() - HEARTBEAT_TTL_S))
     return [(entry[0], _fields(entry[1])) for entry in entries], _text(last)
+
+
+def drain_back(client: Any, model: str, daemon_id: str) -> int:
+    """Move the jobs routed to ``daemon_id`` back into the shared set; how many moved."""
+    keys = _queue_keys(model)
+    return int(client.eval(DRAIN_BACK, len(keys), *keys, daemon_id))
+
+
+def waiting(client: Any, model: str) -> int:
+    """Jobs waiting for the model: shared and routed (the gate counts the same)."""
+    routed = [routed_key(model, _text(d)) for d in client.hkeys(fleet_key(model))]
+    pipe = client.pipeline(transaction=False)
+    for key in [ready_key(model), *routed]:
+        pipe.zcard(key)
+    return sum(pipe.execute())
 
 
 def wait_for_bell(client: Any, model: str, after: str, block_ms: int = BELL_BLOCK_MS) -> bool:
@@ -249,6 +429,9 @@ do
     rate = math.max(rate, 0.1 * live)
     cap = cap + free
     local waiting = redis.call('ZCARD', KEYS[{g}])
+    for i = 1, #fleet, 2 do
+      waiting = waiting + redis.call('ZCARD', KEYS[{g}] .. ':d:' .. fleet[i])
+    end
     local function wait_s(n)
       return math.min({RETRY_AFTER_MAX_S}, math.max({RETRY_AFTER_MIN_S}, n / rate))
     end
