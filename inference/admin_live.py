@@ -26,7 +26,7 @@ from django.views.decorators.http import require_POST, require_safe
 from accounts.models import Tenant
 from inference import broker
 from inference.models import InferenceRequest
-from wire import protocol
+from wire import protocol, queue
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
@@ -65,6 +65,7 @@ def _scopes(snaps: list[dict[str, Any]]) -> set[str]:
         rows = [*(snap.get("slots") or []), *(snap.get("queue") or []),
                 *((snap.get("cache") or {}).get("entries") or [])]
         found.update(str(r["cache_scope"]) for r in rows if r.get("cache_scope") is not None)
+        found.update(str(t) for t in ((snap.get("fleet") or {}).get("taken_by_tenant") or {}))
     return found
 
 
@@ -110,15 +111,56 @@ def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[st
         {**row, "tenant": names.get(str(row.get("tenant_id")), row.get("tenant_id"))}
         for row in quarantine
     ]
+    fleet = fleet_view(snaps, names)
     for snap in sorted(snaps, key=lambda s: str(s.get("daemon_id"))):
         daemon_id = snap.get("daemon_id")
-        state["daemons"].append(daemon_summary(snap, now))
+        state["daemons"].append({**daemon_summary(snap, now), **fleet.get(str(daemon_id), {})})
         state["queue"] += [named(q, daemon_id) for q in snap.get("queue") or []]
         state["slots"] += [{**named(s, daemon_id), "heartbeat_at": snap.get("heartbeat_at")}
                            for s in snap.get("slots") or []]
         entries = (snap.get("cache") or {}).get("entries") or []
         state["cache"] += [named(e, daemon_id) for e in entries]
     return state
+
+
+def fleet_view(snaps: list[dict[str, Any]],
+               names: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per daemon, how the fleet uses it (docs/fleet.md): the jobs it holds of what it can,
+    the jobs routed to it and still waiting, the routing decisions that chose it (affinity
+    hits), and its share of each tenant's jobs among the daemons of its model."""
+    client = broker.sync_client()
+    models = sorted({str(s.get("model")) for s in snaps})
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.hgetall(queue.routes_key(model))
+    for snap in snaps:
+        pipe.zcard(queue.routed_key(str(snap.get("model")), str(snap.get("daemon_id"))))
+    replies = pipe.execute()
+    routes = {m: {protocol.as_text(k): int(v) for k, v in r.items()}
+              for m, r in zip(models, replies[:len(models)], strict=True)}
+    per_tenant: dict[tuple[str, str], int] = {}  # (model, tenant) -> jobs over its daemons
+    for snap in snaps:
+        for tenant, count in ((snap.get("fleet") or {}).get("taken_by_tenant") or {}).items():
+            key = (str(snap.get("model")), str(tenant))
+            per_tenant[key] = per_tenant.get(key, 0) + int(count)
+    out = {}
+    for snap, waiting in zip(snaps, replies[len(models):], strict=True):
+        daemon, model = str(snap.get("daemon_id")), str(snap.get("model"))
+        info = snap.get("fleet") or {}
+        decided = routes.get(model, {})
+        taken = info.get("taken_by_tenant") or {}
+        out[daemon] = {
+            "held": info.get("held"), "capacity": info.get("capacity"),
+            "routed_waiting": waiting,
+            "routed": sum(n for k, n in decided.items() if k.endswith(f":{daemon}")),
+            "affinity_hits": decided.get(f"affinity:{daemon}", 0),
+            "session_hits": decided.get(f"session:{daemon}", 0),
+            "drain_per_s": info.get("drain_per_s"),
+            "tenant_shares": {
+                str(names.get(str(t), t)): round(int(n) / per_tenant[(model, str(t))], 3)
+                for t, n in sorted(taken.items()) if per_tenant.get((model, str(t)))},
+        }
+    return out
 
 
 def quarantined() -> list[dict[str, Any]]:

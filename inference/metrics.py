@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from inference import broker, limits
+from wire import queue
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class DaemonCollector(Collector):
             log.warning("metrics: could not read Redis", exc_info=True)
             snapshots, refusals = [], {}
         yield from _daemon_metrics(snapshots)
+        yield _route_metrics(sorted({str(s.get("model")) for s in snapshots}))
         limit_refusals = CounterMetricFamily(
             "llm_limit_refusals", "Requests refused by tenant limits, by code.", labels=["code"]
         )
@@ -92,6 +94,27 @@ class DaemonCollector(Collector):
         for code in limits.QUEUE_REFUSAL_CODES:
             queue_refusals.add_metric([code], refusals.get(code, 0))
         yield queue_refusals
+
+
+def _route_metrics(models: list[str]) -> Metric:
+    """The web's routing decisions per model and reason (wire/queue.py ENQUEUE counts them
+    in Redis: every web process's)."""
+    family = CounterMetricFamily(
+        "llm_route_decisions", "Where the web's enqueue put each job, by reason: its session's "
+        "daemon, the longest affinity match, the shared queue (least_loaded), round_robin, or "
+        "no routing (fallback).", labels=["model", "reason"])
+    try:
+        pipe = broker.sync_client().pipeline(transaction=False)
+        for model in models:
+            pipe.hgetall(queue.routes_key(model))
+        decided = pipe.execute()
+    except Exception:
+        log.warning("metrics: could not read the route counters", exc_info=True)
+        decided = [{} for _ in models]
+    for model, counts in zip(models, decided, strict=True):
+        for reason in queue.ROUTE_REASONS:
+            family.add_metric([model, reason], int(counts.get(reason.encode(), 0)))
+    return family
 
 
 def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -104,7 +104,9 @@
       "No request is quarantined.")],
     daemons: (s) => [table(
       [["Daemon"], ["Model"], ["Host / pid"], ["Heartbeat", "num"], ["Uptime", "num"], ["State"],
-       ["Slots busy"], ["Queue", "num"], ["KV blocks"], ["Settings"], ["Requests", "num"],
+       ["Slots busy"], ["Queue", "num"], ["Held / capacity"], ["Routed waiting", "num"],
+       ["Routed", "num"], ["Affinity hits", "num"], ["Tenant shares"],
+       ["KV blocks"], ["Settings"], ["Requests", "num"],
        ["Prompt / completion tokens"], ["Hit ratio", "num"], ["KV pressure", "num"],
        ["Refusals", "num"], [""]],
       s.daemons.map((d) => {
@@ -113,6 +115,10 @@
                 d.uptime_s + " s",
                 el("span", {className: d.draining ? "draining" : ""}, [d.draining ? "draining" : "serving"]),
                 `${d.slots_busy} / ${d.slots_total}`, d.queue_depth,
+                d.capacity === undefined ? "–" : `${d.held} / ${d.capacity}`,
+                d.routed_waiting ?? "–", d.routed ?? "–", d.affinity_hits ?? "–",
+                Object.entries(d.tenant_shares || {})
+                  .map(([t, share]) => `${t} ${(share * 100).toFixed(0)} %`).join(", ") || "–",
                 `${num(d.kv.blocks_used)} / ${num(d.kv.blocks_total)}`,
                 `n_parallel ${c.n_parallel}, n_ctx ${c.n_ctx}, chunk ${c.chunk_size}, `
                 + `max_queue ${c.max_queue}, cache_prompt ${c.cache_prompt}, RAM cache ${c.prompt_cache_ram_mb} MB`,
