@@ -1,0 +1,348 @@
+"""A fleet of daemons of one model: cache-aware routing vs round robin, and what a refusal
+costs (issue #17). Not a test: numbers for bench/results/.
+
+The stack: one Redis (a database of the local one, default 14), a temporary SQLite
+database, three ``run_scheduler`` daemons of one model (Gemma 3 270M; N_PARALLEL 2,
+N_THREADS 1, MAX_QUEUE 4 each) and two daphne web servers on it, one with
+``ROUTING=round_robin``, one with ``ROUTING=cache_aware`` (the default). Same daemons,
+same run: the modes take turns (A B A B), each round with three fresh tenants, so no
+round reuses another's cache (a cache is the tenant's alone).
+
+Conversations: 3 tenants x 8 conversations x 4 turns, streamed, ``max_tokens`` 16; each
+tenant has its own system prompt of ~300 tokens; six conversations run at once, started
+interleaved across tenants (A1 B1 C1 A2 ...), each conversation's turns one after the
+other, each turn sending the whole history and the conversation's ``session``. Per mode:
+the cached-token ratio (cached / prompt tokens, from usage), TTFT p50/p90 (client side, to
+the first text), requests per daemon and the imbalance (max / mean), 503s.
+Targets: cache_aware cached ratio >= 0.85 and far above round_robin's; TTFT p50 <= 0.5 x
+round_robin's; imbalance <= 1.5.
+
+Isolation, paired: a tenant sends another tenant's cached system prompt, and (the pair)
+an unseen prompt of the same length; TTFT of each, cached tokens of each (0 both).
+
+Refusals: a burst of ``--burst`` concurrent requests (10x what the fleet queues and holds)
+with a valid key, and an identical burst with a bad key, taking turns; p99 of the 503s
+(``queue_full``, decided by the web) vs p99 of the 401s. Target: within 20 ms.
+
+    .venv/bin/python bench/fleet.py [--rounds 2] [--burst 240] [--redis-url URL]
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from _common import ROOT, machine, model_path
+
+from wire import protocol, queue
+
+DAEMONS = 3
+DAEMON_ENV = {"N_PARALLEL": "2", "N_THREADS": "1", "N_CTX": "4096", "MAX_QUEUE": "4",
+              "LOCAL_QUEUE": "2"}
+TENANTS, CONVERSATIONS, TURNS, AT_ONCE, NEW_TOKENS = 3, 8, 4, 6, 16
+MODES = ("round_robin", "cache_aware")
+WORDS = ("bread flour oven crust dough yeast butter sugar rye wheat loaf bake knead proof "
+         "cake cream honey salt seed grain mill starter batch tray rack shelf").split()
+
+
+def system_prompt(tag: str) -> str:
+    """~300 tokens of a tenant's own instructions (Gemma: ~4 characters a token)."""
+    rng = __import__("random").Random(tag)
+    words = " ".join(rng.choice(WORDS) for _ in range(230))
+    return f"You are the assistant of bakery {tag}. Rules: {words}. Answer briefly."
+
+
+class Fleet:
+    """The processes; ``close`` stops them and drops the model's keys."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+        self.model = f"fleet-{secrets.token_hex(3)}"
+        self.redis_url = redis_url
+        self.env = {**os.environ, "REDIS_URL": redis_url, "DEBUG": "false",
+                    "SECRET_KEY": secrets.token_urlsafe(40), "ALLOWED_HOSTS": "127.0.0.1",
+                    "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
+                    "LOG_LEVEL": "WARNING", "MODEL_PATH": model_path(),
+                    "MODEL_NAME": self.model, "MODELS": self.model}
+        self.procs: list[subprocess.Popen] = []
+        self.ports: dict[str, int] = {}
+        self.daemon_ids = [f"fleet-d{i}-{secrets.token_hex(2)}" for i in range(DAEMONS)]
+
+    def manage(self, *argv: str) -> str:
+        return subprocess.run([sys.executable, "manage.py", *argv], cwd=ROOT, env=self.env,
+                              check=True, capture_output=True, text=True).stdout
+
+    def start(self) -> None:
+        self.manage("migrate", "-v", "0")
+        log = (self.tmp / "log.txt").open("ab")
+        for daemon_id in self.daemon_ids:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "manage.py", "run_scheduler", "--grace", "1",
+                 "--daemon-id", daemon_id], cwd=ROOT, env={**self.env, **DAEMON_ENV},
+                stdout=log, stderr=subprocess.STDOUT))
+        for mode in MODES:
+            port = _free_port()
+            self.ports[mode] = port
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "daphne", "-p", str(port), "config.asgi:application"],
+                cwd=ROOT, env={**self.env, "ROUTING": mode}, stdout=log,
+                stderr=subprocess.STDOUT))
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + 300
+        while not (all(self._served(p) for p in self.ports.values())
+                   and len(client.hkeys(queue.fleet_key(self.model))) == DAEMONS):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"the fleet did not start; see {self.tmp / 'log.txt'}")
+            time.sleep(0.5)
+
+    def _served(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/health", timeout=2) as r:
+                return self.model in json.loads(r.read())["models"]
+        except OSError:
+            return False
+
+    def tenant(self, name: str) -> str:
+        self.manage("create_tenant", name)
+        return self.manage("create_api_key", name).strip().splitlines()[-1]
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        client = redis.Redis.from_url(self.redis_url)
+        client.delete(*queue.keys_of(self.model),
+                      *[queue.routed_key(self.model, d) for d in self.daemon_ids])
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def turn(http: httpx.AsyncClient, base: str, key: str, model: str, prompt: str,
+               session: str) -> dict[str, Any]:
+    """One streamed completion: TTFT, usage, the daemon that served it, the status."""
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "session": session}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", None
+    async with http.stream("POST", f"{base}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            return {"status": reply.status_code}
+        request_id = reply.headers.get("X-Request-Id")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text += choice["text"]
+            usage = chunk.get("usage") or usage
+    return {"status": 200, "ttft": ttft, "text": text, "usage": usage, "request_id": request_id}
+
+
+def served_by(client: redis.Redis, request_id: str | None) -> str | None:
+    served = None
+    for _, fields in client.xrange(protocol.events_stream(request_id or "-")):
+        kind, data = protocol.decode_event(fields)
+        if kind == protocol.ACCEPTED:
+            served = data.get("daemon_id")
+    return served
+
+
+async def conversations(fleet: Fleet, mode: str, round_no: int) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{fleet.ports[mode]}"
+    tags = [f"{mode[:2]}{round_no}t{t}-{secrets.token_hex(2)}" for t in range(TENANTS)]
+    keys = {tag: fleet.tenant(tag) for tag in tags}
+    order = [(tags[t], c) for c in range(CONVERSATIONS) for t in range(TENANTS)]  # interleaved
+    results: list[dict[str, Any]] = []
+    pending = asyncio.Queue()
+    for item in order:
+        pending.put_nowait(item)
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def worker() -> None:
+            while not pending.empty():
+                tag, c = pending.get_nowait()
+                prompt, session = system_prompt(tag), f"{tag}-c{c}"
+                for t in range(TURNS):
+                    prompt += f"\nCustomer {c}: question {t} about the {WORDS[(c + t) % 25]}?\n"
+                    result = await turn(http, base, keys[tag], fleet.model, prompt, session)
+                    results.append(result)
+                    if result["status"] != 200:
+                        break
+                    prompt += result["text"]
+
+        await asyncio.gather(*(worker() for _ in range(AT_ONCE)))
+    client = redis.Redis.from_url(fleet.redis_url)
+    ok = [r for r in results if r["status"] == 200]
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
+    per_daemon = Counter(served_by(client, r["request_id"]) for r in ok)
+    counts = [per_daemon.get(d, 0) for d in fleet.daemon_ids]
+    ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    return {
+        "mode": mode, "requests": len(results), "ok": len(ok),
+        "refused_503": sum(1 for r in results if r["status"] == 503),
+        "cached_ratio": round(cached / prompt_tokens, 3) if prompt_tokens else None,
+        "ttft_p50_ms": round(_quantile(ttfts, 0.5) * 1000, 1),
+        "ttft_p90_ms": round(_quantile(ttfts, 0.9) * 1000, 1),
+        "per_daemon": counts,
+        "imbalance": round(max(counts) / statistics.mean(counts), 3) if any(counts) else None,
+    }
+
+
+async def isolation(fleet: Fleet, pairs: int) -> dict[str, Any]:
+    """Tenant B sends tenant A's cached system prompt, then an unseen one of the same
+    length (alternating which first); TTFT and cached tokens of each."""
+    base = f"http://127.0.0.1:{fleet.ports['cache_aware']}"
+    owner, other = (f"iso-{n}-{secrets.token_hex(2)}" for n in "ab")
+    keys = {owner: fleet.tenant(owner), other: fleet.tenant(other)}
+    cached_prompt = system_prompt(owner) + "\nCustomer: hello?\n"
+    rows: dict[str, list[dict[str, Any]]] = {"seen_by_a": [], "unseen": []}
+    async with httpx.AsyncClient(timeout=600) as http:
+        for _ in range(2):  # A's prefix cached (and in A's summary)
+            await turn(http, base, keys[owner], fleet.model, cached_prompt, "")
+        for i in range(pairs):
+            unseen = system_prompt(f"fresh-{i}-{secrets.token_hex(2)}") + "\nCustomer: hello?\n"
+            # the same length in characters as the one A cached
+            unseen = (unseen + " " * len(cached_prompt))[:len(cached_prompt)]
+            order = [("seen_by_a", cached_prompt), ("unseen", unseen)]
+            for name, prompt in order if i % 2 == 0 else order[::-1]:
+                rows[name].append(await turn(http, base, keys[other], fleet.model, prompt, ""))
+    out = {}
+    for name, results in rows.items():
+        ttfts = [r["ttft"] for r in results if r.get("ttft") is not None]
+        out[name] = {"ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+                     "cached_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                          for r in results if r.get("usage"))}
+    out["ttft_diff_ms"] = round(out["seen_by_a"]["ttft_p50_ms"] - out["unseen"]["ttft_p50_ms"], 1)
+    return out
+
+
+async def burst(base: str, key: str, model: str, n: int) -> dict[str, list[float]]:
+    """``n`` requests at once; latency by status."""
+    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    by_status: dict[str, list[float]] = {}
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
+        async def one() -> None:
+            t0 = time.perf_counter()
+            reply = await http.post(f"{base}/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {key}"})
+            by_status.setdefault(str(reply.status_code), []).append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one() for _ in range(n)))
+    return by_status
+
+
+async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{fleet.ports['cache_aware']}"
+    key = fleet.tenant(f"burst-{secrets.token_hex(2)}")
+    bad = "sk-nope.not-a-key"
+    p99 = {"401": [], "503": []}
+    counts: Counter[str] = Counter()
+    for r in range(rounds):
+        for which in (("bad", "good") if r % 2 == 0 else ("good", "bad")):
+            got = await burst(base, bad if which == "bad" else key, fleet.model, n)
+            for status, latencies in got.items():
+                counts[status] += len(latencies)
+            if which == "bad":
+                p99["401"].append(_quantile(sorted(got.get("401", [0.0])), 0.99))
+            elif got.get("503"):
+                p99["503"].append(_quantile(sorted(got["503"]), 0.99))
+            await asyncio.sleep(5)  # the admitted ones finish; the queue empties
+    return {"burst": n, "rounds": rounds, "statuses": dict(counts),
+            "p99_401_ms": [round(v * 1000, 1) for v in p99["401"]],
+            "p99_503_ms": [round(v * 1000, 1) for v in p99["503"]],
+            "p99_diff_ms_median": round((statistics.median(p99["503"]) -
+                                         statistics.median(p99["401"])) * 1000, 1)
+            if p99["503"] else None}
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per routing mode")
+    parser.add_argument("--burst", type=int, default=240)
+    parser.add_argument("--burst-rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=6, help="isolation pairs")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    print(f"command: bench/fleet.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"daemons: {DAEMONS} x {DAEMON_ENV}; workload: {TENANTS} tenants x {CONVERSATIONS} "
+          f"conversations x {TURNS} turns, {AT_ONCE} at once, {NEW_TOKENS} new tokens")
+    fleet = Fleet(args.redis_url)
+    try:
+        fleet.start()
+        runs: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                result = asyncio.run(conversations(fleet, mode, r))
+                runs.append(result)
+                print(f"round {r} {mode}: {json.dumps(result)}", flush=True)
+        iso = asyncio.run(isolation(fleet, args.pairs))
+        print(f"isolation: {json.dumps(iso)}", flush=True)
+        refused = asyncio.run(refusals(fleet, args.burst, args.burst_rounds))
+        print(f"refusals: {json.dumps(refused)}", flush=True)
+    finally:
+        fleet.close()
+    summary: dict[str, Any] = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {name: statistics.median([r[name] for r in mine if r[name] is not None])
+                         for name in ("cached_ratio", "ttft_p50_ms", "ttft_p90_ms", "imbalance",
+                                      "refused_503")}
+    rr, ca = summary["round_robin"], summary["cache_aware"]
+    summary["ttft_p50_ratio"] = round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
+    print(f"{'mode':<12} {'cached':>7} {'ttft p50':>9} {'ttft p90':>9} {'imbal.':>7} {'503s':>5}")
+    for mode in MODES:
+        s = summary[mode]
+        print(f"{mode:<12} {s['cached_ratio']:>7} {s['ttft_p50_ms']:>9} {s['ttft_p90_ms']:>9} "
+              f"{s['imbalance']:>7} {s['refused_503']:>5}")
+    print(f"cache_aware / round_robin TTFT p50: {summary['ttft_p50_ratio']}; isolation TTFT "
+          f"diff {iso['ttft_diff_ms']} ms; 503 p99 - 401 p99: {refused['p99_diff_ms_median']} ms")
+    print(json.dumps({"bench": "fleet", "machine": machine(), "runs": runs, "summary": summary,
+                      "isolation": iso, "refusals": refused}))
+
+
+if __name__ == "__main__":
+    main()
