@@ -9,7 +9,7 @@ import yaml
 from config.models import CATALOG, GEMMA, SMOLLM2, SMOLLM2_PIN
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-ENV_HELPERS = {"env_str", "env_bool", "env_int", "env_float", "env_list"}
+ENV_HELPERS = {"env_str", "env_bool", "env_int", "env_float", "env_list", "env_choice"}
 REQUIRED = {"SECRET_KEY", "DATABASE_URL", "REDIS_URL"}
 
 
@@ -113,3 +113,13 @@ def test_redis_keeps_its_data_across_restarts(services):
     volume = next(v.split(":")[0] for v in redis["volumes"] if v.split(":")[1] == "/data")
     top = yaml.safe_load((BASE_DIR / "docker-compose.yml").read_text())["volumes"]
     assert volume in top
+
+
+def test_the_schedulers_scale_into_a_fleet(services):
+    """``--scale scheduler=N``: no fixed container name or daemon id (each replica's id
+    comes from its host name), and the web has the routing settings (docs/fleet.md)."""
+    for service in schedulers(services).values():
+        assert "container_name" not in service
+        assert "--daemon-id" not in command(service)
+    web = environment(services["web"])
+    assert web["ROUTING"].endswith("cache_aware}") or web["ROUTING"] == "cache_aware"
