@@ -110,7 +110,7 @@ def id_key(entry_id: str) -> tuple[int, int]:
 @pytest.mark.parametrize("same_id", [False, True], ids=["another-daemon", "restarted-same-id"])
 def test_kill_9_with_jobs_queued_and_streaming(web, same_id):
     model = f"gemma-chaos-{uuid.uuid4().hex[:6]}"
-    first = RealDaemon(web, model, N_PARALLEL="2", MAX_QUEUE="16").start()
+    first = RealDaemon(web, model, N_PARALLEL="2", LOCAL_QUEUE="3").start()
     nonce = uuid.uuid4().hex
     plain = Stream(web, {"model": model, "prompt": f"Tell me a long story ({nonce}).",
                          "max_tokens": 200, "ignore_eos": True, "temperature": 0.7,

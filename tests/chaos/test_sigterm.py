@@ -17,7 +17,7 @@ SHORT = {"max_tokens": 6, "temperature": 0}
 
 @pytest.mark.parametrize("same_id", [True, False], ids=["restarted-same-id", "another-daemon"])
 def test_sigterm_hands_back_what_it_did_not_finish(make_daemon, same_id):
-    first = make_daemon(N_PARALLEL="1", MAX_QUEUE="8").start(grace_s=1)
+    first = make_daemon(N_PARALLEL="1", LOCAL_QUEUE="3").start(grace_s=1)
     running = first.enqueue(prompt="Tell me a long story.", params=LONG)
     first.wait_for(running.id, "token")
     queued = [first.enqueue(prompt=f"The capital of France is ({i})", params=SHORT)
