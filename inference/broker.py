@@ -375,14 +375,25 @@ async def enqueue(job: protocol.Job, watch_ms: int = 0) -> None:
     (inference/watch.py) is written with that TTL in the same script, before the job
     exists: one round trip, and no daemon sees it unwatched."""
     script, keys, args = queue.enqueue_call(
-        job.model, job.encode()["job"], job.tenant_id, protocol.watch_key(job.id), watch_ms,
-        protocol.JOBS_MAX_PENDING, route_of(job))
+        job.model, job.encode()["job"], job.tenant_id, job.id, protocol.watch_key(job.id),
+        watch_ms, protocol.JOBS_MAX_PENDING, route_of(job))
     added = queue.placed(await async_client().eval(script, len(keys), *keys, *args))
     if added is None:
         raise ApiError("service_unavailable",
                        f"{protocol.JOBS_MAX_PENDING} requests are already waiting for the "
                        f"model {job.model!r}; try again shortly.",
                        headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
+
+
+async def unadmit(model: str, tenant_id: str, request_id: str) -> None:
+    """Give up the place the gate held for a request that will not be enqueued (never
+    raises: the place lapses by itself after ``queue.ADMIT_HOLD_S``)."""
+    try:
+        pipe = async_client().pipeline(transaction=False)
+        queue.unadmit(pipe, model, tenant_id, request_id)
+        await pipe.execute()
+    except redis.RedisError:
+        pass
 
 
 def route_of(job: protocol.Job) -> queue.Route:

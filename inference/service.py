@@ -93,7 +93,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         row = await asyncio.shield(admission)  # the database thread finishes it either way
     except asyncio.CancelledError:
         if not admission.cancelled() and await _settled(admission):
-            await _abandon(api_key.tenant_id, request_id)
+            await _abandon(api_key.tenant_id, request_id, model=parsed.model)
         raise
     try:
         # watched from the enqueue script on (it writes the watch key before the job)
@@ -103,10 +103,10 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
             await broker.enqueue(job, watch_ms=watch.ttl_ms())
     except redis.RedisError as exc:
         log.warning("Redis refused the job of request %s: %r", request_id, exc)
-        await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE)
+        await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE, parsed.model)
         raise _redis_unavailable(exc) from exc
     except BaseException:
-        await _abandon(api_key.tenant_id, request_id)
+        await _abandon(api_key.tenant_id, request_id, model=parsed.model)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()),
                   watched_at, job.deadline)
@@ -121,10 +121,12 @@ async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
     return True
 
 
-async def _abandon(tenant_id: int, request_id: str, error_code: str = "") -> None:
+async def _abandon(tenant_id: int, request_id: str, error_code: str = "",
+                   model: str | None = None) -> None:
     """A request admitted but never queued: its row ends cancelled (its caller went away) or
     failed with ``error_code`` (Redis refused the job); its slot and token reservation are
-    freed, once Redis answers if it does not now (``limits.release_soon``)."""
+    freed, once Redis answers if it does not now (``limits.release_soon``), and its place
+    in the model's queue (the gate's hold, else it lapses after ADMIT_HOLD_S)."""
     try:
         if error_code:
             await db.run(history.close_failed, request_id, error_code)
@@ -132,6 +134,8 @@ async def _abandon(tenant_id: int, request_id: str, error_code: str = "") -> Non
             await db.run(history.abandon, request_id)
     finally:
         await limits.release_soon(tenant_id, request_id)
+        if model is not None:
+            await broker.unadmit(model, str(tenant_id), request_id)
 
 
 def _redis_unavailable(exc: redis.RedisError) -> ApiError:

@@ -161,13 +161,24 @@ def fleet(r, model: str, daemon: str = "d1", at: float | None = None, **fields) 
     r.hset(queue.fleet_key(model), daemon, queue.FleetEntry(**entry).encode())
 
 
-def admit(model: str, tenant: str, max_queued: int | None = None) -> ApiError | None:
+def admit(model: str, tenant: str, max_queued: int | None = None, request_id: str = "",
+          now: float | None = None) -> ApiError | None:
     try:
-        limits.admit_sync(tenant, uuid.uuid4().hex, limits.Limits(), model=model,
-                          max_queued=max_queued)
+        limits.admit_sync(tenant, request_id or uuid.uuid4().hex, limits.Limits(), model=model,
+                          max_queued=max_queued, now=now)
     except ApiError as error:
         return error
     return None
+
+
+def admit_and_enqueue(r, model: str, tenant: str, route: queue.Route | None = None,
+                      **kw) -> ApiError | None:
+    """What the web does: the gate admits, then the job is enqueued under the same id."""
+    queued = job(model, tenant)
+    refused = admit(model, tenant, request_id=queued.id, **kw)
+    if refused is None:
+        queue.enqueue(r, queued, route=route)
+    return refused
 
 
 def test_the_gate_refuses_a_full_queue_with_503_and_a_retry_after_from_the_drain(model):
@@ -175,8 +186,7 @@ def test_the_gate_refuses_a_full_queue_with_503_and_a_retry_after_from_the_drain
     fleet(r, model)
     tenants = ["t1", "t2", "t3"]
     for t in tenants:
-        assert admit(model, t) is None
-        queue.enqueue(r, job(model, t))
+        assert admit_and_enqueue(r, model, t) is None
     refused = admit(model, "t4")
     assert refused is not None and refused.code == "queue_full" and refused.status == 503
     # 3 waiting, drained at 0.5 jobs/s: 6 s
@@ -190,8 +200,7 @@ def test_the_gate_refuses_a_tenants_full_share_with_429(model):
     r = redis_conn()
     fleet(r, model, max_queue=10)
     for _ in range(2):
-        assert admit(model, "A") is None
-        queue.enqueue(r, job(model, "A"))
+        assert admit_and_enqueue(r, model, "A") is None
     refused = admit(model, "A")
     assert refused is not None and (refused.code, refused.status) == ("tenant_queue_full", 429)
     assert int(refused.headers["Retry-After"]) >= 1
@@ -214,9 +223,26 @@ def test_the_room_daemons_have_free_counts_at_the_gate(model):
     r = redis_conn()
     fleet(r, model, max_queue=1, held=2)  # 2 of its 4 free at its last beat
     for t in ("t1", "t2", "t3"):
-        assert admit(model, t) is None
-        queue.enqueue(r, job(model, t))
+        assert admit_and_enqueue(r, model, t) is None
     assert admit(model, "t4").code == "queue_full"
+
+
+def test_a_burst_admitted_at_once_counts_before_it_is_enqueued(model):
+    r = redis_conn()
+    fleet(r, model, max_queue=3)
+    held = [uuid.uuid4().hex for _ in range(3)]
+    for request_id in held:  # admitted, none enqueued yet (the web's gap between the two)
+        assert admit(model, "A", max_queued=9, request_id=request_id) is None
+    assert admit(model, "B").code == "queue_full"
+    pipe = r.pipeline()
+    queue.unadmit(pipe, model, "A", held[0])  # one will not be enqueued after all
+    pipe.execute()
+    assert admit(model, "B") is None
+    # a place held by a web that died lapses after ADMIT_HOLD_S
+    later = time.time() + queue.ADMIT_HOLD_S + 1
+    fleet(r, model, max_queue=3, at=later)  # the daemon is still there then
+    assert admit(model, "C", now=later - queue.ADMIT_HOLD_S).code == "queue_full"
+    assert admit(model, "C", now=later) is None
 
 
 def test_taking_a_job_makes_room_at_the_gate(model):
@@ -365,8 +391,8 @@ def test_the_gate_counts_routed_jobs_as_waiting(model, daemons):
     fleet(r, model, "d2", max_queue=1)
     summary(r, "d1", "h1")
     for _ in range(2):
-        assert admit(model, "A", max_queued=9) is None
-        queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=9))
+        assert admit_and_enqueue(r, model, "A", route(chain=["h1"], balance_abs=9),
+                                 max_queued=9) is None
     assert r.zcard(queue.ready_key(model)) == 0
     assert admit(model, "B").code == "queue_full"
 

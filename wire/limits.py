@@ -245,7 +245,9 @@ end
 return 'ok'
 """
 _ADMIT = _IN_FLIGHT + _REFUSE_HERE + _ADMIT_LIMITS
-_ADMIT_GATED = _IN_FLIGHT + _REFUSE_HERE + queue.gate_lua(8, 15) + _ADMIT_LIMITS
+_ADMIT_GATED = (_IN_FLIGHT + _REFUSE_HERE + queue.gate_lua(8, 15) + _ADMIT_LIMITS.replace(
+    "\nreturn 'ok'\n", "\n" + queue.gate_commit_lua(8, 15) + "return 'ok'\n"))
+assert _ADMIT_GATED.count("return 'ok'") == 1 and _ADMIT_GATED != _ADMIT
 
 # A slot without tokens (a resume): only the concurrency limit.
 # KEYS: in-flight, reservations, refusals; ARGV: now, member, expiry, max_concurrent,
@@ -304,9 +306,9 @@ def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: 
     script = _ADMIT
     if model is not None:
         script = _ADMIT_GATED
-        keys += queue.gate_keys(model)
+        keys += queue.gate_keys(model, tenant_id)
         args += queue.gate_args(tenant_id, max_queued, now, HEARTBEAT_TTL_S, QUEUE_FULL,
-                                TENANT_QUEUE_FULL)
+                                TENANT_QUEUE_FULL, request_id)
     return _decision(client.eval(script, len(keys), *keys, *args))
 
 

@@ -68,6 +68,7 @@ BELL_MAXLEN = 16
 # added without ENQUEUE rings no bell).
 BELL_BLOCK_MS = 500
 SWEEP_COUNT = 256  # unqueued entries swept per script run
+ADMIT_HOLD_S = 30  # an admitted request not enqueued within this long no longer counts
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 # Past any entry id: reading the history after it returns nothing, but counts as the
 # consumer's interaction (XINFO CONSUMERS ``idle``), which the dead-daemon check reads.
@@ -99,13 +100,24 @@ def fleet_key(model: str) -> str:
 
 
 def keys_of(model: str) -> list[str]:
-    """Every key of a model's queue but the routed sets (a test's clean-up)."""
-    return [*_queue_keys(model), routes_key(model)]
+    """Every key of a model's queue but the routed and tenant sets (a test's clean-up)."""
+    return [*_queue_keys(model), routes_key(model), admitted_key(model)]
 
 
 def routed_key(model: str, daemon_id: str) -> str:
     """Jobs routed to one daemon, waiting (the same members and tags as ``ready_key``)."""
     return f"{ready_key(model)}:d:{daemon_id}"
+
+
+def admitted_key(model: str) -> str:
+    """Requests the gate admitted and the web has not enqueued yet: request id -> when (unix
+    s). They count as waiting (a burst admitted at once cannot pass the limit); ENQUEUE
+    removes each, the gate drops those older than ADMIT_HOLD_S (a web that died between)."""
+    return f"{PREFIX}:queue:admitted:{model}"
+
+
+def tenant_admitted_key(model: str, tenant_id: str) -> str:
+    return f"{admitted_key(model)}:t:{tenant_id}"
 
 
 def routes_key(model: str) -> str:
@@ -172,9 +184,10 @@ local function drain_back(daemon)
 end
 """
 
-# KEYS: the queue's (_queue_keys), the request's watch key, the route counters
+# KEYS: the queue's (_queue_keys), the request's watch key, the route counters, the gate's
+#       admitted sets (the model's, the tenant's)
 # ARGV: the job's JSON, its tenant, the watch key's TTL (ms, 0: none), the stream's cap,
-#       the routing (ROUTE_SHARED, ROUTE_CACHE_AWARE, ROUTE_ROUND_ROBIN), the oldest
+#       the request id, the routing (ROUTE_SHARED, ROUTE_CACHE_AWARE, ROUTE_ROUND_ROBIN), the oldest
 #       heartbeat that counts, the balance thresholds (absolute, relative), the session's
 #       key ("": none), the affinity summaries' key prefix, then the chain's hashes.
 # Returns {entry id, reason, daemon or ""}, or false when the stream holds the cap already.
@@ -187,10 +200,12 @@ end
 ENQUEUE = _COMMON + f"""
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[4]) then return false end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[8], 1, 'PX', ARGV[3]) end
+redis.call('ZREM', KEYS[10], ARGV[5])  -- admitted by the gate: now it waits in the queue
+redis.call('ZREM', KEYS[11], ARGV[5])
 redis.pcall('XGROUP', 'CREATE', KEYS[1], '{JOBS_GROUP}', '0', 'MKSTREAM')  -- BUSYGROUP: there
-local mode, reason, target = ARGV[5], 'fallback', nil
+local mode, reason, target = ARGV[6], 'fallback', nil
 if mode ~= '{ROUTE_SHARED}' then
-  local _, live = live_fleet(tonumber(ARGV[6]))
+  local _, live = live_fleet(tonumber(ARGV[7]))
   local ids, load, least = {{}}, {{}}, nil
   for daemon, d in pairs(live) do
     ids[#ids + 1] = daemon
@@ -198,7 +213,7 @@ if mode ~= '{ROUTE_SHARED}' then
     if least == nil or load[daemon] < least then least = load[daemon] end
   end
   table.sort(ids)
-  local abs, rel = tonumber(ARGV[7]), tonumber(ARGV[8])
+  local abs, rel = tonumber(ARGV[8]), tonumber(ARGV[9])
   local function balanced(daemon)
     local l = load[daemon]
     return not (l - least > abs and l > rel * least)
@@ -207,16 +222,16 @@ if mode ~= '{ROUTE_SHARED}' then
     local turn = redis.call('HINCRBY', KEYS[9], 'turn', 1)
     target, reason = ids[(turn % #ids) + 1], 'round_robin'
   elseif #ids >= 2 then
-    if ARGV[9] ~= '' then
-      local owner = redis.call('GET', ARGV[9])
+    if ARGV[10] ~= '' then
+      local owner = redis.call('GET', ARGV[10])
       if owner and load[owner] and balanced(owner) then target, reason = owner, 'session' end
     end
-    if target == nil and #ARGV >= 11 then
+    if target == nil and #ARGV >= 12 then
       local chain = {{}}
-      for i = 11, #ARGV do chain[#chain + 1] = ARGV[i] end
+      for i = 12, #ARGV do chain[#chain + 1] = ARGV[i] end
       local best, best_run = nil, 0
       for _, daemon in ipairs(ids) do
-        local has = redis.call('SMISMEMBER', ARGV[10] .. daemon, unpack(chain))
+        local has = redis.call('SMISMEMBER', ARGV[11] .. daemon, unpack(chain))
         local run = 0
         while run < #has and has[run + 1] == 1 do run = run + 1 end
         if run > best_run or (run == best_run and run > 0 and load[daemon] < load[best]) then
@@ -227,7 +242,7 @@ if mode ~= '{ROUTE_SHARED}' then
         if balanced(best) then target, reason = best, 'affinity' else reason = 'least_loaded' end
       end
     end
-    if target == nil and reason == 'fallback' and (ARGV[9] ~= '' or #ARGV >= 11) then
+    if target == nil and reason == 'fallback' and (ARGV[10] ~= '' or #ARGV >= 12) then
       reason = 'least_loaded'
     end
   end
@@ -316,14 +331,15 @@ class Placed:
     daemon: str
 
 
-def enqueue_call(model: str, job_json: str, tenant_id: str, watch_key: str, watch_ms: int,
-                 cap: int, route: Route | None = None,
+def enqueue_call(model: str, job_json: str, tenant_id: str, request_id: str, watch_key: str,
+                 watch_ms: int, cap: int, route: Route | None = None,
                  now: float | None = None) -> tuple[str, list[str], list[Any]]:
     """(script, keys, args) of ENQUEUE, for a sync or an async client's ``eval``."""
     route = route or Route()
     now = time.time() if now is None else now
-    keys = [*_queue_keys(model), watch_key, routes_key(model)]
-    return ENQUEUE, keys, [job_json, tenant_id, watch_ms, cap, *route.args(now)]
+    keys = [*_queue_keys(model), watch_key, routes_key(model), admitted_key(model),
+            tenant_admitted_key(model, tenant_id)]
+    return ENQUEUE, keys, [job_json, tenant_id, watch_ms, cap, request_id, *route.args(now)]
 
 
 def placed(reply: Any) -> Placed | None:
@@ -337,7 +353,7 @@ def placed(reply: Any) -> Placed | None:
 def enqueue(client: Any, job: Job, watch_ms: int = 0, cap: int = JOBS_MAX_PENDING,
             route: Route | None = None) -> Placed | None:
     """ENQUEUE with a synchronous client (the web's async one: ``inference/broker.py``)."""
-    script, keys, args = enqueue_call(job.model, job.encode()["job"], job.tenant_id,
+    script, keys, args = enqueue_call(job.model, job.encode()["job"], job.tenant_id, job.id,
                                       watch_key(job.id), watch_ms, cap, route)
     return placed(client.eval(script, len(keys), *keys, *args))
 
@@ -404,7 +420,8 @@ class FleetEntry:
 # The gate, run first in the tenant-limits admission script (wire/limits.py ``admit``):
 # KEYS[g], KEYS[g+1], KEYS[g+2] = ready, tenants, fleet; ARGV[a] .. ARGV[a+4] = tenant id,
 # the tenant's own cap per daemon (-1: the daemons' MAX_QUEUE_PER_TENANT), the oldest
-# heartbeat that counts (unix s), the codes for queue_full and tenant_queue_full.
+# heartbeat that counts (unix s), the codes for queue_full and tenant_queue_full, now, the
+# request id; KEYS[g+3], KEYS[g+4]: the admitted sets (the model's, the tenant's).
 # Refuses with ``refuse_here(code, limit, how, retry, used)`` of the admission script. With no
 # live daemon counted it admits: the web waits for one (a restart) as before.
 def gate_lua(g: int, a: int) -> str:
@@ -425,10 +442,13 @@ do
       rate = rate + (tonumber(d.drain_per_s) or 0)
     end
   end
+  local hold = tonumber(ARGV[{a + 5}]) - {ADMIT_HOLD_S}
+  redis.call('ZREMRANGEBYSCORE', KEYS[{g + 3}], '-inf', hold)
+  redis.call('ZREMRANGEBYSCORE', KEYS[{g + 4}], '-inf', hold)
   if live > 0 then
     rate = math.max(rate, 0.1 * live)
     cap = cap + free
-    local waiting = redis.call('ZCARD', KEYS[{g}])
+    local waiting = redis.call('ZCARD', KEYS[{g}]) + redis.call('ZCARD', KEYS[{g + 3}])
     for i = 1, #fleet, 2 do
       waiting = waiting + redis.call('ZCARD', KEYS[{g}] .. ':d:' .. fleet[i])
     end
@@ -442,6 +462,7 @@ do
     if own >= 0 then share = own * live end
     share = share + free
     local mine = tonumber(redis.call('HGET', KEYS[{g + 1}], ARGV[{a}]) or '0')
+    mine = mine + redis.call('ZCARD', KEYS[{g + 4}])
     if mine >= share then
       local tenants = math.max(1, redis.call('HLEN', KEYS[{g + 1}]))
       return refuse_here(ARGV[{a + 4}], 'tenant_queue', 'full', wait_s(mine * tenants), mine)
@@ -451,14 +472,31 @@ end
 """
 
 
-def gate_keys(model: str) -> list[str]:
-    return [ready_key(model), tenants_key(model), fleet_key(model)]
+def gate_commit_lua(g: int, a: int) -> str:
+    """Run where the admission script admits: the request counts as waiting until ENQUEUE."""
+    return f"""
+redis.call('ZADD', KEYS[{g + 3}], ARGV[{a + 5}], ARGV[{a + 6}])
+redis.call('EXPIRE', KEYS[{g + 3}], {2 * ADMIT_HOLD_S})
+redis.call('ZADD', KEYS[{g + 4}], ARGV[{a + 5}], ARGV[{a + 6}])
+redis.call('EXPIRE', KEYS[{g + 4}], {2 * ADMIT_HOLD_S})
+"""
+
+
+def gate_keys(model: str, tenant_id: str) -> list[str]:
+    return [ready_key(model), tenants_key(model), fleet_key(model), admitted_key(model),
+            tenant_admitted_key(model, tenant_id)]
 
 
 def gate_args(tenant_id: str, tenant_cap: int | None, now: float, ttl_s: float,
-              queue_full: str, tenant_queue_full: str) -> list[Any]:
+              queue_full: str, tenant_queue_full: str, request_id: str) -> list[Any]:
     return [tenant_id, -1 if tenant_cap is None else int(tenant_cap), repr(now - ttl_s),
-            queue_full, tenant_queue_full]
+            queue_full, tenant_queue_full, repr(now), request_id]
+
+
+def unadmit(pipe: Any, model: str, tenant_id: str, request_id: str) -> None:
+    """Queue on ``pipe``: a request the gate admitted will not be enqueued after all."""
+    pipe.zrem(admitted_key(model), request_id)
+    pipe.zrem(tenant_admitted_key(model, tenant_id), request_id)
 
 
 def retry_after(waiting: int, drain_per_s: float) -> int:

@@ -25,6 +25,7 @@ from inference.history import DatabaseHistory
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.daemon import SchedulerDaemon
 from scheduler_daemon.supervisor import supervise
+from wire import protocol
 
 log = logging.getLogger("scheduler_daemon.run")
 
@@ -98,8 +99,10 @@ class Command(BaseCommand):
         # The daemon holds at most its slots + LOCAL_QUEUE jobs (the rest waits in Redis,
         # where the web's gate applies MAX_QUEUE and the tenants' shares): its core's own
         # queue caps must not refuse what it took.
+        # (a job of n choices is n requests in the core: MAX_CHOICES each at most)
         capacity = settings.N_PARALLEL + settings.LOCAL_QUEUE
-        core = InferenceCore.from_settings(max_queue=capacity, max_queue_per_tenant=capacity)
+        caps = capacity * protocol.MAX_CHOICES
+        core = InferenceCore.from_settings(max_queue=caps, max_queue_per_tenant=caps)
         log.info("model loaded in %.1f s", time.monotonic() - t0)
         daemon = SchedulerDaemon(
             core,
