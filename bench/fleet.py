@@ -48,7 +48,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2 as httpx  # what the pinned openai SDK ships with (httpx API)
 import redis
 from _common import ROOT, machine, model_path
 
@@ -64,10 +64,11 @@ WORDS = ("bread flour oven crust dough yeast butter sugar rye wheat loaf bake kn
 
 
 def system_prompt(tag: str) -> str:
-    """~300 tokens of a tenant's own instructions (Gemma: ~4 characters a token)."""
+    """~300 tokens of a tenant's own instructions (Gemma: ~4 characters a token); nothing
+    in common between two tags from the first token on."""
     rng = __import__("random").Random(tag)
     words = " ".join(rng.choice(WORDS) for _ in range(230))
-    return f"You are the assistant of bakery {tag}. Rules: {words}. Answer briefly."
+    return f"{tag}: you are the assistant of this bakery. Rules: {words}. Answer briefly."
 
 
 class Fleet:
@@ -224,18 +225,20 @@ async def conversations(fleet: Fleet, mode: str, round_no: int) -> dict[str, Any
 
 
 async def isolation(fleet: Fleet, pairs: int) -> dict[str, Any]:
-    """Tenant B sends tenant A's cached system prompt, then an unseen one of the same
-    length (alternating which first); TTFT and cached tokens of each."""
+    """Per pair: tenant A sends a new prompt twice (cached, in A's summary); tenant B sends
+    that prompt once, and once an unseen prompt of the same length (alternating which
+    first); TTFT and cached tokens of B's. For a reference, A's own second send."""
     base = f"http://127.0.0.1:{fleet.ports['cache_aware']}"
     owner, other = (f"iso-{n}-{secrets.token_hex(2)}" for n in "ab")
     keys = {owner: fleet.tenant(owner), other: fleet.tenant(other)}
-    cached_prompt = system_prompt(owner) + "\nCustomer: hello?\n"
-    rows: dict[str, list[dict[str, Any]]] = {"seen_by_a": [], "unseen": []}
+    rows: dict[str, list[dict[str, Any]]] = {"seen_by_a": [], "unseen": [], "a_again": []}
     async with httpx.AsyncClient(timeout=600) as http:
-        for _ in range(2):  # A's prefix cached (and in A's summary)
-            await turn(http, base, keys[owner], fleet.model, cached_prompt, "")
         for i in range(pairs):
-            unseen = system_prompt(f"fresh-{i}-{secrets.token_hex(2)}") + "\nCustomer: hello?\n"
+            cached_prompt = system_prompt(f"a{i}-{secrets.token_hex(2)}") + "\nCustomer: hi?\n"
+            await turn(http, base, keys[owner], fleet.model, cached_prompt, "")
+            rows["a_again"].append(await turn(http, base, keys[owner], fleet.model,
+                                              cached_prompt, ""))
+            unseen = system_prompt(f"u{i}-{secrets.token_hex(2)}") + "\nCustomer: hi?\n"
             # the same length in characters as the one A cached
             unseen = (unseen + " " * len(cached_prompt))[:len(cached_prompt)]
             order = [("seen_by_a", cached_prompt), ("unseen", unseen)]
@@ -260,9 +263,13 @@ async def burst(base: str, key: str, model: str, n: int) -> dict[str, list[float
 
         async def one() -> None:
             t0 = time.perf_counter()
-            reply = await http.post(f"{base}/v1/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"})
-            by_status.setdefault(str(reply.status_code), []).append(time.perf_counter() - t0)
+            try:
+                reply = await http.post(f"{base}/v1/completions", json=body,
+                                        headers={"Authorization": f"Bearer {key}"})
+                status = str(reply.status_code)
+            except httpx.TransportError as exc:  # counted: the server dropped the connection
+                status = type(exc).__name__
+            by_status.setdefault(status, []).append(time.perf_counter() - t0)
 
         await asyncio.gather(*(one() for _ in range(n)))
     return by_status

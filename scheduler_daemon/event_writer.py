@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from wire import limits, protocol
+from wire import limits, protocol, queue
 from wire.backoff import Backoff
 
 from .history import HistorySink, NoHistory
@@ -77,6 +77,7 @@ class EventWriter:
         self.history: HistorySink = history or NoHistory()
         self.stream_interval_s = stream_interval_s
         self.jobs_stream = protocol.jobs_stream(model)
+        self.load_key = queue.load_key(model)
         self.running_key = protocol.running_key(daemon_id)
         self._buffer = _Buffer()
         self._cond = threading.Condition()
@@ -281,6 +282,7 @@ class EventWriter:
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
                     pipe.xdel(self.jobs_stream, item.entry_id)
+                    pipe.hincrby(self.load_key, self.daemon_id, -1)  # the fleet's live load
         for stream, retention_s in expiring.items():
             pipe.expire(stream, retention_s)
         try:

@@ -64,6 +64,7 @@ class Heartbeat:
         self.fleet = fleet
         self.intake = intake
         self.fleet_key = queue.fleet_key(model)
+        self.load_key = queue.load_key(model)
         self._beats = 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -105,7 +106,9 @@ class Heartbeat:
         pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
         pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
         if self.fleet is not None:
-            pipe.hset(self.fleet_key, self.daemon_id, self.fleet().encode())
+            entry = self.fleet()
+            pipe.hset(self.fleet_key, self.daemon_id, entry.encode())
+            pipe.hset(self.load_key, self.daemon_id, entry.held)  # the live count, corrected
         resync = self._beats % PRUNE_EVERY_BEATS == 0
         if self.intake is not None:
             summary = self.intake.summary_key
@@ -135,6 +138,7 @@ class Heartbeat:
             queue.drain_back(self.redis, self.model, as_text(daemon_id))
         if stale:
             self.redis.hdel(self.fleet_key, *stale)
+            self.redis.hdel(self.load_key, *stale)
 
     def run(self) -> None:
         # Redis away: retried with backoff, but never slower than the usual interval (a
@@ -157,6 +161,7 @@ class Heartbeat:
         pipe.delete(protocol.daemon_key(self.daemon_id))
         pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
         pipe.hdel(self.fleet_key, self.daemon_id)  # no job is routed here from now on
+        pipe.hdel(self.load_key, self.daemon_id)
         if self.intake is not None:
             pipe.delete(self.intake.summary_key)
         pipe.set(protocol.gone_key(self.daemon_id), 1, ex=protocol.GONE_TTL_S)

@@ -159,6 +159,7 @@ def fleet(r, model: str, daemon: str = "d1", at: float | None = None, **fields) 
     entry = {"at": time.time() if at is None else at, "taking": True, "max_queue": 3,
              "max_queue_per_tenant": 2, "drain_per_s": 0.5, "capacity": 4, "held": 4, **fields}
     r.hset(queue.fleet_key(model), daemon, queue.FleetEntry(**entry).encode())
+    r.hset(queue.load_key(model), daemon, entry["held"])  # as its heartbeat sets it
 
 
 def admit(model: str, tenant: str, max_queued: int | None = None, request_id: str = "",
@@ -298,13 +299,18 @@ def test_a_match_must_start_at_the_first_piece(model, daemons):
     two_daemons(r, model)
     summary(r, "d1", "h2", "h3")  # the same later pieces after another first one
     placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1", "h2", "h3"]))
-    assert (placed.reason, placed.daemon) == ("least_loaded", "")
+    assert placed.reason == "least_loaded" and placed.daemon in ("d1", "d2")
 
 
-def test_a_busy_affinity_daemon_is_passed_over_for_the_shared_queue(model, daemons):
+def test_a_busy_affinity_daemon_is_passed_over_for_the_least_loaded(model, daemons):
     r = redis_conn()
     two_daemons(r, model, d1=8, d2=0)
     summary(r, "d1", "h1")
+    placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=4,
+                                                            balance_rel=1.5))
+    assert (placed.reason, placed.daemon) == ("least_loaded", "d2")  # it has room
+    two_daemons(r, model, d1=12, d2=4)  # d2 full too (capacity 4): the shared queue
+    r.delete(queue.routed_key(model, "d2"))
     placed = queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=4,
                                                             balance_rel=1.5))
     assert (placed.reason, placed.daemon) == ("least_loaded", "")
@@ -321,7 +327,9 @@ def test_jobs_routed_to_a_daemon_count_in_its_load(model, daemons):
     reasons = [queue.enqueue(r, job(model, "A"), route=route(chain=["h1"], balance_abs=2,
                                                               balance_rel=1.0)).reason
                for _ in range(5)]
-    assert reasons == ["affinity"] * 3 + ["least_loaded"] * 2  # past 2 more than d2's 0
+    # d1's load reaches 3, past 2 more than d2's 0: one to d2, whose load then counts too
+    assert reasons == ["affinity"] * 3 + ["least_loaded", "affinity"]
+    assert r.zcard(queue.routed_key(model, "d2")) == 1
 
 
 def test_a_session_sticks_to_its_daemon_over_affinity(model, daemons):
@@ -428,3 +436,15 @@ def test_chat_messages_hash_by_role_and_content():
         affinity.chain(salt, first)
     as_user = affinity.prompt_text(None, [{**system, "role": "user"}])
     assert affinity.chain(salt, as_user)[0] != affinity.chain(salt, first)[0]
+
+
+def test_the_load_is_live_between_two_heartbeats(model):
+    """TAKE counts what a daemon takes at once (a job's end takes it off: the writer), so
+    the gate and the routing do not wait for the next heartbeat to see a daemon fill up."""
+    r = redis_conn()
+    fleet(r, model, max_queue=0, held=0, capacity=2)
+    for _ in range(2):
+        assert admit_and_enqueue(r, model, "A") is None
+    assert len(queue.take(r, model, "d1", 2)[0]) == 2
+    assert int(r.hget(queue.load_key(model), "d1")) == 2
+    assert admit(model, "B").code == "queue_full"  # its beat still says 0 held

@@ -120,6 +120,13 @@ def tenant_admitted_key(model: str, tenant_id: str) -> str:
     return f"{admitted_key(model)}:t:{tenant_id}"
 
 
+def load_key(model: str) -> str:
+    """daemon id -> jobs it holds, live: TAKE adds what it takes, each job's end (the
+    writer's flush) takes one off, every heartbeat sets the daemon's own count (so a count
+    a crash left wrong lasts a second at most)."""
+    return f"{PREFIX}:queue:load:{model}"
+
+
 def routes_key(model: str) -> str:
     """Route decisions: reason -> count, ``<reason>:<daemon>`` -> count, the round robin's
     turn."""
@@ -128,7 +135,7 @@ def routes_key(model: str) -> str:
 
 def _queue_keys(model: str) -> list[str]:
     return [jobs_stream(model), ready_key(model), tenants_key(model), tags_key(model),
-            clock_key(model), bell_stream(model), fleet_key(model)]
+            clock_key(model), bell_stream(model), fleet_key(model), load_key(model)]
 
 
 # Shared by the scripts: KEYS[1..7] = _queue_keys. ``sweep`` delivers the entries of the
@@ -160,6 +167,12 @@ local function sweep(known_id, known_tenant, known_set)
     redis.call('ZADD', set, start, id .. '|' .. tenant)
     redis.call('HINCRBY', KEYS[3], tenant, 1)
   end
+end
+-- a daemon's jobs held now: the live count, else what its last beat said
+local function load_of(daemon, d)
+  local live = redis.call('HGET', KEYS[8], daemon)
+  if live then return math.max(0, tonumber(live)) end
+  return tonumber(d.held) or 0
 end
 -- {{id -> entry}} of the fleet hash's daemons, and which of them are live and take jobs
 local function live_fleet(oldest)
@@ -199,9 +212,9 @@ end
 # chain and no session: the shared set ("fallback").
 ENQUEUE = _COMMON + f"""
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[4]) then return false end
-if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[8], 1, 'PX', ARGV[3]) end
-redis.call('ZREM', KEYS[10], ARGV[5])  -- admitted by the gate: now it waits in the queue
-redis.call('ZREM', KEYS[11], ARGV[5])
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[9], 1, 'PX', ARGV[3]) end
+redis.call('ZREM', KEYS[11], ARGV[5])  -- admitted by the gate: now it waits in the queue
+redis.call('ZREM', KEYS[12], ARGV[5])
 redis.pcall('XGROUP', 'CREATE', KEYS[1], '{JOBS_GROUP}', '0', 'MKSTREAM')  -- BUSYGROUP: there
 local mode, reason, target = ARGV[6], 'fallback', nil
 if mode ~= '{ROUTE_SHARED}' then
@@ -209,7 +222,7 @@ if mode ~= '{ROUTE_SHARED}' then
   local ids, load, least = {{}}, {{}}, nil
   for daemon, d in pairs(live) do
     ids[#ids + 1] = daemon
-    load[daemon] = (tonumber(d.held) or 0) + redis.call('ZCARD', routed(daemon))
+    load[daemon] = load_of(daemon, d) + redis.call('ZCARD', routed(daemon))
     if least == nil or load[daemon] < least then least = load[daemon] end
   end
   table.sort(ids)
@@ -219,7 +232,7 @@ if mode ~= '{ROUTE_SHARED}' then
     return not (l - least > abs and l > rel * least)
   end
   if #ids >= 2 and mode == '{ROUTE_ROUND_ROBIN}' then
-    local turn = redis.call('HINCRBY', KEYS[9], 'turn', 1)
+    local turn = redis.call('HINCRBY', KEYS[10], 'turn', 1)
     target, reason = ids[(turn % #ids) + 1], 'round_robin'
   elseif #ids >= 2 then
     if ARGV[10] ~= '' then
@@ -242,8 +255,16 @@ if mode ~= '{ROUTE_SHARED}' then
         if balanced(best) then target, reason = best, 'affinity' else reason = 'least_loaded' end
       end
     end
-    if target == nil and reason == 'fallback' and (ARGV[10] ~= '' or #ARGV >= 12) then
+    if target == nil and (reason == 'least_loaded' or ARGV[10] ~= '' or #ARGV >= 12) then
+      -- the least loaded daemon, if it has room now (ties in turn); else the shared set,
+      -- where the first daemon with room takes it
       reason = 'least_loaded'
+      local tied = {{}}
+      for _, daemon in ipairs(ids) do
+        if load[daemon] == least then tied[#tied + 1] = daemon end
+      end
+      local pick = tied[(redis.call('HINCRBY', KEYS[10], 'turn', 1) % #tied) + 1]
+      if least < (tonumber(live[pick].capacity) or 0) then target = pick end
     end
   end
 end
@@ -252,8 +273,8 @@ local set = KEYS[2]
 if target ~= nil then set = routed(target) end
 sweep(id, ARGV[2], set)
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', {BELL_MAXLEN}, '*', 'n', 1)
-redis.call('HINCRBY', KEYS[9], reason, 1)
-if target ~= nil then redis.call('HINCRBY', KEYS[9], reason .. ':' .. target, 1) end
+redis.call('HINCRBY', KEYS[10], reason, 1)
+if target ~= nil then redis.call('HINCRBY', KEYS[10], reason .. ':' .. target, 1) end
 return {{id, reason, target or ''}}
 """
 
@@ -291,6 +312,7 @@ while #out < want do
   local claimed = redis.call('XCLAIM', KEYS[1], '{JOBS_GROUP}', ARGV[1], 0, id)
   if claimed[1] then out[#out + 1] = claimed[1] end  -- else deleted meanwhile
 end
+if #out > 0 then redis.call('HINCRBY', KEYS[8], ARGV[1], #out) end
 if redis.call('HLEN', KEYS[3]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
 local bell = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)
 local last = '0-0'
@@ -338,7 +360,7 @@ def enqueue_call(model: str, job_json: str, tenant_id: str, request_id: str, wat
     route = route or Route()
     now = time.time() if now is None else now
     keys = [*_queue_keys(model), watch_key, routes_key(model), admitted_key(model),
-            tenant_admitted_key(model, tenant_id)]
+            tenant_admitted_key(model, tenant_id)]  # KEYS[9] .. KEYS[12]
     return ENQUEUE, keys, [job_json, tenant_id, watch_ms, cap, request_id, *route.args(now)]
 
 
@@ -421,7 +443,8 @@ class FleetEntry:
 # KEYS[g], KEYS[g+1], KEYS[g+2] = ready, tenants, fleet; ARGV[a] .. ARGV[a+4] = tenant id,
 # the tenant's own cap per daemon (-1: the daemons' MAX_QUEUE_PER_TENANT), the oldest
 # heartbeat that counts (unix s), the codes for queue_full and tenant_queue_full, now, the
-# request id; KEYS[g+3], KEYS[g+4]: the admitted sets (the model's, the tenant's).
+# request id; KEYS[g+3], KEYS[g+4]: the admitted sets (the model's, the tenant's); KEYS[g+5]
+# the daemons' live load.
 # Refuses with ``refuse_here(code, limit, how, retry, used)`` of the admission script. With no
 # live daemon counted it admits: the web waits for one (a restart) as before.
 def gate_lua(g: int, a: int) -> str:
@@ -436,7 +459,8 @@ do
       live = live + 1
       -- its queue allowance, and the room it had at its last beat (a burst after a quiet
       -- spell is not refused before the daemons could take it)
-      free = free + math.max(0, (tonumber(d.capacity) or 0) - (tonumber(d.held) or 0))
+      local held = tonumber(redis.call('HGET', KEYS[{g + 5}], fleet[i]) or d.held) or 0
+      free = free + math.max(0, (tonumber(d.capacity) or 0) - held)
       cap = cap + (tonumber(d.max_queue) or 0)
       share = share + (tonumber(d.max_queue_per_tenant) or 0)
       rate = rate + (tonumber(d.drain_per_s) or 0)
@@ -484,7 +508,7 @@ redis.call('EXPIRE', KEYS[{g + 4}], {2 * ADMIT_HOLD_S})
 
 def gate_keys(model: str, tenant_id: str) -> list[str]:
     return [ready_key(model), tenants_key(model), fleet_key(model), admitted_key(model),
-            tenant_admitted_key(model, tenant_id)]
+            tenant_admitted_key(model, tenant_id), load_key(model)]
 
 
 def gate_args(tenant_id: str, tenant_cap: int | None, now: float, ttl_s: float,
