@@ -55,6 +55,7 @@ from _common import ROOT, machine, model_path
 from wire import protocol, queue
 
 DAEMONS = 3
+BURST_TENANTS = 8
 DAEMON_ENV = {"N_PARALLEL": "2", "N_THREADS": "1", "N_CTX": "4096", "MAX_QUEUE": "4",
               "LOCAL_QUEUE": "2"}
 TENANTS, CONVERSATIONS, TURNS, AT_ONCE, NEW_TOKENS = 3, 8, 4, 6, 16
@@ -254,14 +255,14 @@ async def isolation(fleet: Fleet, pairs: int) -> dict[str, Any]:
     return out
 
 
-async def burst(base: str, key: str, model: str, n: int) -> dict[str, list[float]]:
-    """``n`` requests at once; latency by status."""
+async def burst(base: str, keys: list[str], model: str, n: int) -> dict[str, list[float]]:
+    """``n`` requests at once (the keys in turn); latency by status."""
     body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
     by_status: dict[str, list[float]] = {}
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
-        async def one() -> None:
+        async def one(key: str) -> None:
             t0 = time.perf_counter()
             try:
                 reply = await http.post(f"{base}/v1/completions", json=body,
@@ -271,32 +272,34 @@ async def burst(base: str, key: str, model: str, n: int) -> dict[str, list[float
                 status = type(exc).__name__
             by_status.setdefault(status, []).append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(one(keys[i % len(keys)]) for i in range(n)))
     return by_status
 
 
 async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
+    """Bursts of ``n`` requests at once: with valid keys of ``BURST_TENANTS`` tenants (so the
+    model's queue fills before any tenant's share of it: 503 ``queue_full``), and the same
+    burst with a bad key (401), taking turns. The p99 latency of each status."""
     base = f"http://127.0.0.1:{fleet.ports['cache_aware']}"
-    key = fleet.tenant(f"burst-{secrets.token_hex(2)}")
-    bad = "sk-nope.not-a-key"
-    p99 = {"401": [], "503": []}
+    keys = [fleet.tenant(f"burst{i}-{secrets.token_hex(2)}") for i in range(BURST_TENANTS)]
+    bad = ["sk-nope.not-a-key"]
+    p99: dict[str, list[float]] = {}
     counts: Counter[str] = Counter()
     for r in range(rounds):
         for which in (("bad", "good") if r % 2 == 0 else ("good", "bad")):
-            got = await burst(base, bad if which == "bad" else key, fleet.model, n)
+            got = await burst(base, bad if which == "bad" else keys, fleet.model, n)
             for status, latencies in got.items():
-                counts[status] += len(latencies)
-            if which == "bad":
-                p99["401"].append(_quantile(sorted(got.get("401", [0.0])), 0.99))
-            elif got.get("503"):
-                p99["503"].append(_quantile(sorted(got["503"]), 0.99))
+                counts[f"{which}:{status}"] += len(latencies)
+                if status != "200":
+                    p99.setdefault(status, []).append(_quantile(sorted(latencies), 0.99))
             await asyncio.sleep(5)  # the admitted ones finish; the queue empties
-    return {"burst": n, "rounds": rounds, "statuses": dict(counts),
-            "p99_401_ms": [round(v * 1000, 1) for v in p99["401"]],
-            "p99_503_ms": [round(v * 1000, 1) for v in p99["503"]],
-            "p99_diff_ms_median": round((statistics.median(p99["503"]) -
-                                         statistics.median(p99["401"])) * 1000, 1)
-            if p99["503"] else None}
+    out: dict[str, Any] = {"burst": n, "rounds": rounds, "statuses": dict(counts),
+                           **{f"p99_{s}_ms": [round(v * 1000, 1) for v in vs]
+                              for s, vs in sorted(p99.items())}}
+    if p99.get("503") and p99.get("401"):
+        out["p99_diff_ms_median"] = round(
+            (statistics.median(p99["503"]) - statistics.median(p99["401"])) * 1000, 1)
+    return out
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -312,6 +315,7 @@ def main() -> None:
     parser.add_argument("--burst-rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=6, help="isolation pairs")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--parts", nargs="+", default=["conversations", "isolation", "refusals"])
     args = parser.parse_args()
     print(f"machine: {machine()}")
     print(f"command: bench/fleet.py {' '.join(sys.argv[1:])}".rstrip())
@@ -321,32 +325,36 @@ def main() -> None:
     try:
         fleet.start()
         runs: list[dict[str, Any]] = []
-        for r in range(args.rounds):
+        for r in range(args.rounds if "conversations" in args.parts else 0):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 result = asyncio.run(conversations(fleet, mode, r))
                 runs.append(result)
                 print(f"round {r} {mode}: {json.dumps(result)}", flush=True)
-        iso = asyncio.run(isolation(fleet, args.pairs))
+        iso = asyncio.run(isolation(fleet, args.pairs)) if "isolation" in args.parts else {}
         print(f"isolation: {json.dumps(iso)}", flush=True)
-        refused = asyncio.run(refusals(fleet, args.burst, args.burst_rounds))
+        refused = (asyncio.run(refusals(fleet, args.burst, args.burst_rounds))
+                   if "refusals" in args.parts else {})
         print(f"refusals: {json.dumps(refused)}", flush=True)
     finally:
         fleet.close()
     summary: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in MODES if runs else ():
         mine = [r for r in runs if r["mode"] == mode]
         summary[mode] = {name: statistics.median([r[name] for r in mine if r[name] is not None])
                          for name in ("cached_ratio", "ttft_p50_ms", "ttft_p90_ms", "imbalance",
                                       "refused_503")}
-    rr, ca = summary["round_robin"], summary["cache_aware"]
-    summary["ttft_p50_ratio"] = round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
-    print(f"{'mode':<12} {'cached':>7} {'ttft p50':>9} {'ttft p90':>9} {'imbal.':>7} {'503s':>5}")
-    for mode in MODES:
-        s = summary[mode]
-        print(f"{mode:<12} {s['cached_ratio']:>7} {s['ttft_p50_ms']:>9} {s['ttft_p90_ms']:>9} "
-              f"{s['imbalance']:>7} {s['refused_503']:>5}")
-    print(f"cache_aware / round_robin TTFT p50: {summary['ttft_p50_ratio']}; isolation TTFT "
-          f"diff {iso['ttft_diff_ms']} ms; 503 p99 - 401 p99: {refused['p99_diff_ms_median']} ms")
+    if runs:
+        rr, ca = summary["round_robin"], summary["cache_aware"]
+        summary["ttft_p50_ratio"] = round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
+        print(f"{'mode':<12} {'cached':>7} {'ttft p50':>9} {'ttft p90':>9} {'imbal.':>7} "
+              f"{'503s':>5}")
+        for mode in MODES:
+            s = summary[mode]
+            print(f"{mode:<12} {s['cached_ratio']:>7} {s['ttft_p50_ms']:>9} "
+                  f"{s['ttft_p90_ms']:>9} {s['imbalance']:>7} {s['refused_503']:>5}")
+        print(f"cache_aware / round_robin TTFT p50: {summary['ttft_p50_ratio']}")
+    print(f"isolation TTFT diff {iso.get('ttft_diff_ms')} ms; "
+          f"503 p99 - 401 p99: {refused.get('p99_diff_ms_median')} ms")
     print(json.dumps({"bench": "fleet", "machine": machine(), "runs": runs, "summary": summary,
                       "isolation": iso, "refusals": refused}))
 

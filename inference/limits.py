@@ -22,7 +22,7 @@ import redis
 from django.conf import settings
 
 from accounts.models import ApiKey, Tenant
-from inference import broker
+from inference import broker, db
 from inference.errors import ApiError
 from wire import limits as wire_limits
 from wire.backoff import Backoff
@@ -68,6 +68,27 @@ def key_limits_sync(api_key: ApiKey) -> Limits:
 def slot_ttl_s() -> int:
     """How long a request may hold a concurrency slot before it is presumed lost."""
     return int(settings.ACCEPT_TIMEOUT_S + settings.REQUEST_TIMEOUT_S + settings.LIMIT_SLOT_GRACE_S)
+
+
+async def admit_key(api_key: ApiKey, request_id: str, reserve: int = 0,
+                    model: str | None = None) -> None:
+    """``admit_key_sync`` on the event loop (the async Redis client): a refusal never waits
+    for the database thread (the limits come with the key; read from the database only
+    when it was loaded over FRESH_KEY_S ago). Raises ApiError (429, 503 ``queue_full``)
+    or a RedisError (the script may have run: the caller releases)."""
+    loaded_at = api_key.loaded_at
+    if loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S:
+        limits = Limits(**{f: getattr(api_key.tenant, f) for f in FIELDS})
+    else:
+        limits = await db.run(tenant_limits, api_key.tenant_id)
+    now = time.time()
+    script, keys, args = wire_limits.admit_call(
+        str(api_key.tenant_id), request_id, limits, now=now, reserve=reserve,
+        slot_ttl_s=slot_ttl_s(), model=model, max_queued=api_key.tenant.max_queued)
+    refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
+                                                                     *args))
+    if refused is not None:
+        raise refusal(refused, limits, reserve)
 
 
 def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0,

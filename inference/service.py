@@ -88,12 +88,32 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
     broker.check_capacity()  # 503 before anything is admitted when this process is full
     request_id = parsed.request_id or str(uuid.uuid4())  # an Idempotency-Key claim's id
-    admission = asyncio.ensure_future(db.run(_admit_and_record, api_key, parsed, request_id))
+    tenant_id = api_key.tenant_id
+    # The admission (the model queue's gate, then the tenant's limits: one script) runs on
+    # the event loop, so a refusal (429, 503) never waits behind other requests' rows on the
+    # database thread; only an admitted request gets one.
     try:
-        row = await asyncio.shield(admission)  # the database thread finishes it either way
+        await limits.admit_key(api_key, request_id, reserve=_reservation(parsed),
+                               model=parsed.model)
+    except ApiError:
+        raise  # refused: the script counted nothing (but the refusal)
+    except redis.RedisError as exc:
+        await _give_back(tenant_id, request_id, parsed.model)  # its reply may be all we lost
+        raise _redis_unavailable(exc) from exc
     except asyncio.CancelledError:
-        if not admission.cancelled() and await _settled(admission):
-            await _abandon(api_key.tenant_id, request_id, model=parsed.model)
+        await _give_back(tenant_id, request_id, parsed.model)
+        raise
+    creation = asyncio.ensure_future(db.run(_record, api_key, parsed, request_id))
+    try:
+        row = await asyncio.shield(creation)  # the database thread finishes it either way
+    except asyncio.CancelledError:
+        if not creation.cancelled() and await _settled(creation):
+            await _abandon(tenant_id, request_id, model=parsed.model)
+        else:
+            await _give_back(tenant_id, request_id, parsed.model)
+        raise
+    except BaseException:
+        await _give_back(tenant_id, request_id, parsed.model)
         raise
     try:
         # watched from the enqueue script on (it writes the watch key before the job)
@@ -148,29 +168,25 @@ def _redis_unavailable(exc: redis.RedisError) -> ApiError:
                             "shortly.")
 
 
-def _admit_and_record(api_key: ApiKey, parsed: ParsedRequest,
-                      request_id: str) -> InferenceRequest:
-    """Take a slot under the tenant's limits (inference/limits.py; ApiError 429 before
-    anything is stored or queued), then create the history row. One trip to the database
-    thread for both. Redis away: 503, and no row."""
+def _reservation(parsed: ParsedRequest) -> int:
+    """The tokens the request may use at most (its limits reservation)."""
     # a vocabulary request generates nothing (its reservation: the prompt's bound alone)
     generates = parsed.kind not in protocol.VOCAB_KINDS | {protocol.EMBEDDING_KIND}
     completion = parsed.params.get("max_tokens") if generates else 0
-    reserve = limits.reservation(parsed.prompts or parsed.prompt, parsed.messages, completion,
-                                 parsed.choices)
-    try:
-        limits.admit_key_sync(api_key, request_id, reserve=reserve, model=parsed.model)
-    except redis.RedisError as exc:
-        # the script may have run with only its reply lost: free what it may hold (the
-        # slot's expiry bounds it when Redis is away)
-        limits.release_quietly_sync(api_key.tenant_id, request_id)
-        raise _redis_unavailable(exc) from exc
-    try:
-        return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
-                              parsed.model, parsed.session)
-    except BaseException:
-        limits.release_sync(api_key.tenant_id, request_id)
-        raise
+    return limits.reservation(parsed.prompts or parsed.prompt, parsed.messages, completion,
+                              parsed.choices)
+
+
+def _record(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> InferenceRequest:
+    """An admitted request's history row (on the database thread)."""
+    return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
+                          parsed.model, parsed.session)
+
+
+async def _give_back(tenant_id: int, request_id: str, model: str) -> None:
+    """An admission that led to no row: its slot, reservation and queue place go back."""
+    await limits.release_soon(tenant_id, request_id)
+    await broker.unadmit(model, str(tenant_id), request_id)
 
 
 async def answer(queued: Queued) -> Submission:

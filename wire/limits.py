@@ -278,10 +278,20 @@ return 1
 def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: float,
           reserve: int, slot_ttl_s: int, model: str | None = None,
           max_queued: int | None = None) -> Refused | None:
+    """``admit_call`` run with a synchronous client (see there)."""
+    script, keys, args = admit_call(tenant_id, request_id, limits, now=now, reserve=reserve,
+                                    slot_ttl_s=slot_ttl_s, model=model, max_queued=max_queued)
+    return decision(client.eval(script, len(keys), *keys, *args))
+
+
+def admit_call(tenant_id: str, request_id: str, limits: Limits, *, now: float, reserve: int,
+               slot_ttl_s: int, model: str | None = None,
+               max_queued: int | None = None) -> tuple[str, list[str], list[Any]]:
     """Admit a request in one atomic script, or say why not (then nothing is counted). When
     admitted it holds a concurrency slot for at most ``slot_ttl_s``, counts as a request
     in the window, and, when the tenant has a token limit, holds ``reserve`` tokens until it
-    ends (``release`` or ``record_usage``). ``client``: a synchronous redis client.
+    ends (``release`` or ``record_usage``). (script, keys, args) for any client's ``eval``;
+    ``decision`` reads its reply.
 
     ``model``: first, the gate of that model's queue (wire/queue.py): refused ``queue_full``
     when the jobs waiting for it reach the live daemons' MAX_QUEUE summed (plus the room
@@ -309,7 +319,7 @@ def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: 
         keys += queue.gate_keys(model, tenant_id)
         args += queue.gate_args(tenant_id, max_queued, now, HEARTBEAT_TTL_S, QUEUE_FULL,
                                 TENANT_QUEUE_FULL, request_id)
-    return _decision(client.eval(script, len(keys), *keys, *args))
+    return script, keys, args
 
 
 def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | None, *,
@@ -319,7 +329,7 @@ def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | No
     keys = [inflight_key(tenant_id), reserved_key(tenant_id), REFUSALS_HASH]
     args = [repr(now), member, repr(now + ttl_s), _arg(max_concurrent), ttl_s,
             CONCURRENCY_LIMITED]
-    return _decision(client.eval(_TAKE_SLOT, len(keys), *keys, *args))
+    return decision(client.eval(_TAKE_SLOT, len(keys), *keys, *args))
 
 
 def renew_slot(client: Any, tenant_id: str, member: str, ttl_s: float, now: float) -> Any:
@@ -396,7 +406,8 @@ def _window_sum(buckets: dict[Any, Any], now: float) -> int:
     return sum(int(n) for b, n in buckets.items() if int(b) >= oldest)
 
 
-def _decision(reply: object) -> Refused | None:
+def decision(reply: object) -> Refused | None:
+    """The admission script's reply: None (admitted) or why it refused."""
     text = _text(reply)
     if text == "ok":
         return None
