@@ -142,6 +142,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def patient_web() -> Iterator[WebServer]:
+    """A module's web server that waits 120 s for another daemon to take over a dead one's
+    requests (RECOVERY_TIMEOUT_S; a hang guard, not a speed bound): for daemon kills."""
+    server = WebServer()
+    server.env["RECOVERY_TIMEOUT_S"] = "120"
+    server.start()
+    yield server
+    server.stop()
+
+
 class WebServer:
     """daphne serving config.asgi on 127.0.0.1 with its own database. ``redis_url``: another
     Redis than the tests' (a test that restarts its own)."""

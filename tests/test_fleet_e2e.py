@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from tests.live_service import RealDaemon, WebServer, redis_conn, wait_until
+from tests.live_service import RealDaemon, patient_web, redis_conn, wait_until
 from tests.test_limits_http import make_tenant
 from wire import protocol, queue
 
@@ -25,16 +25,8 @@ pytestmark = pytest.mark.slow
 DAEMON = dict(N_PARALLEL="2", N_CTX="1024", N_THREADS="1", LOCAL_QUEUE="2", MAX_QUEUE="1")
 
 
-@pytest.fixture(scope="module")
-def web():
-    server = WebServer()
-    # a daemon's death is a pause: the web waits for another to take its jobs over this
-    # long (a hang guard, not a speed bound)
-    server.env["RECOVERY_TIMEOUT_S"] = "120"
-    server.start()
-    yield server
-    server.stop()
-
+# a kill below: the web waits for another daemon to take over
+web = pytest.fixture(scope="module", name="web")(patient_web)
 
 @pytest.fixture(scope="module")
 def fleet(web):

@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.live_service import RealDaemon, WebServer, redis_conn, wait_until
+from tests.live_service import RealDaemon, WebServer, patient_web, redis_conn, wait_until
 from wire import protocol
 
 pytestmark = pytest.mark.slow
@@ -30,16 +30,8 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def web():
-    server = WebServer()
-    # a daemon's death is a pause: the web waits for the next one this long (it comes
-    # back in seconds here; a hang guard, not a speed bound)
-    server.env["RECOVERY_TIMEOUT_S"] = "120"
-    server.start()
-    yield server
-    server.stop()
-
+# a death is a pause: the web waits for the next daemon
+web = pytest.fixture(scope="module", name="web")(patient_web)
 
 class Stream(threading.Thread):
     """One streamed request read to its end: its SSE ids, text and final chunks."""
