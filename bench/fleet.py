@@ -276,23 +276,54 @@ async def burst(base: str, keys: list[str], model: str, n: int) -> dict[str, lis
     return by_status
 
 
+async def fill(http: httpx.AsyncClient, base: str, keys: list[str], model: str,
+               n: int) -> list[str]:
+    """``n`` long streamed requests (the keys in turn) until the gate refuses: the fleet's
+    slots, local queues and Redis queue full. Their request ids (to cancel)."""
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    ids: list[str] = []
+
+    async def one(key: str) -> None:
+        async with http.stream("POST", f"{base}/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as reply:
+            if reply.status_code == 200:
+                ids.append(reply.headers["X-Request-Id"])
+                async for _ in reply.aiter_lines():
+                    pass  # read on: the request runs until it is cancelled
+
+    tasks = [asyncio.ensure_future(one(keys[i % len(keys)])) for i in range(n)]
+    await asyncio.sleep(3)
+    fill.tasks = tasks  # type: ignore[attr-defined]
+    return ids
+
+
 async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
-    """Bursts of ``n`` requests at once: with valid keys of ``BURST_TENANTS`` tenants (so the
+    """Bursts of ``n`` requests at once with valid keys of ``BURST_TENANTS`` tenants (so the
     model's queue fills before any tenant's share of it: 503 ``queue_full``), and the same
-    burst with a bad key (401), taking turns. The p99 latency of each status."""
+    burst with a bad key (401), taking turns, while long requests of other tenants hold
+    the fleet full (every slot busy and the queue at its limit): both bursts meet the same
+    busy daemons, and every valid request of the burst is refused. The p99 latency of each
+    status."""
     base = f"http://127.0.0.1:{fleet.ports['cache_aware']}"
     keys = [fleet.tenant(f"burst{i}-{secrets.token_hex(2)}") for i in range(BURST_TENANTS)]
+    fillers = [fleet.tenant(f"fill{i}-{secrets.token_hex(2)}") for i in range(BURST_TENANTS)]
     bad = ["sk-nope.not-a-key"]
     p99: dict[str, list[float]] = {}
     counts: Counter[str] = Counter()
-    for r in range(rounds):
-        for which in (("bad", "good") if r % 2 == 0 else ("good", "bad")):
-            got = await burst(base, bad if which == "bad" else keys, fleet.model, n)
-            for status, latencies in got.items():
-                counts[f"{which}:{status}"] += len(latencies)
-                if status != "200":
-                    p99.setdefault(status, []).append(_quantile(sorted(latencies), 0.99))
-            await asyncio.sleep(5)  # the admitted ones finish; the queue empties
+    async with httpx.AsyncClient(timeout=600) as http:
+        held = await fill(http, base, fillers, fleet.model, 2 * DAEMONS * 8)
+        counts["fill:running"] = len(held)
+        for r in range(rounds):
+            for which in (("bad", "good") if r % 2 == 0 else ("good", "bad")):
+                got = await burst(base, bad if which == "bad" else keys, fleet.model, n)
+                for status, latencies in got.items():
+                    counts[f"{which}:{status}"] += len(latencies)
+                    if status != "200":
+                        p99.setdefault(status, []).append(_quantile(sorted(latencies), 0.99))
+                await asyncio.sleep(2)
+        for task in fill.tasks:  # type: ignore[attr-defined]
+            task.cancel()  # their readers gone, the daemons cancel them (the resume grace)
     out: dict[str, Any] = {"burst": n, "rounds": rounds, "statuses": dict(counts),
                            **{f"p99_{s}_ms": [round(v * 1000, 1) for v in vs]
                               for s, vs in sorted(p99.items())}}
