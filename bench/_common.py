@@ -1,4 +1,4 @@
-"""Shared bits of the benchmark scripts: machine description and model path."""
+"""Shared bits of the benchmark scripts: machine description, model path, a process's CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -38,3 +39,9 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"llama-cpp-python {version('llama-cpp-python')}"
     )
+
+
+def cpu_ms(pid: int) -> float:
+    """User + system CPU of a process so far, in ms (clock-tick resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / TICKS

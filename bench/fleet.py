@@ -22,7 +22,10 @@ an unseen prompt of the same length; TTFT of each, cached tokens of each (0 both
 
 Refusals: a burst of ``--burst`` concurrent requests (10x what the fleet queues and holds)
 with a valid key, and an identical burst with a bad key, taking turns; p99 of the 503s
-(``queue_full``, decided by the web) vs p99 of the 401s. Target: within 20 ms.
+(``queue_full``, decided by the web) vs p99 of the 401s. Target: within 20 ms. Then the
+same two kinds one at a time (200 each, taking turns, and a third: a valid key with an
+invalid body, 400 after authentication and validation, no Redis): median latency and the
+web's CPU per request of each, which is what a burst queues up on the web's event loop.
 
     .venv/bin/python bench/fleet.py [--rounds 2] [--burst 240] [--redis-url URL]
 
@@ -50,8 +53,9 @@ from typing import Any
 
 import httpx2 as httpx  # what the pinned openai SDK ships with (httpx API)
 import redis
-from _common import ROOT, machine, model_path
+from _common import ROOT, cpu_ms, machine, model_path
 
+from config.listen import daphne_endpoint
 from wire import protocol, queue
 
 DAEMONS = 3
@@ -86,6 +90,7 @@ class Fleet:
                     "MODEL_NAME": self.model, "MODELS": self.model}
         self.procs: list[subprocess.Popen] = []
         self.ports: dict[str, int] = {}
+        self.web_pids: dict[str, int] = {}
         self.daemon_ids = [f"fleet-d{i}-{secrets.token_hex(2)}" for i in range(DAEMONS)]
 
     def manage(self, *argv: str) -> str:
@@ -104,9 +109,11 @@ class Fleet:
             port = _free_port()
             self.ports[mode] = port
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "daphne", "-p", str(port), "config.asgi:application"],
+                [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", port),
+                 "config.asgi:application"],
                 cwd=ROOT, env={**self.env, "ROUTING": mode}, stdout=log,
                 stderr=subprocess.STDOUT))
+            self.web_pids[mode] = self.procs[-1].pid
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + 300
         while not (all(self._served(p) for p in self.ports.values())
@@ -276,6 +283,29 @@ async def burst(base: str, keys: list[str], model: str, n: int) -> dict[str, lis
     return by_status
 
 
+async def one_by_one(http: httpx.AsyncClient, base: str,
+                     kinds: dict[str, tuple[list[str], dict[str, Any]]], n: int,
+                     web_pid: int) -> dict[str, Any]:
+    """``n`` requests of each kind (kind -> its keys and body), one at a time, the kinds
+    taking turns: per kind the median latency and the web process's CPU per request, so
+    what a burst costs can be put on the component that costs it (one web process serves
+    the burst one request after another on its event loop and thread)."""
+    latency: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, float] = dict.fromkeys(kinds, 0.0)
+    statuses: Counter[str] = Counter()
+    for i in range(n):
+        for kind, (kind_keys, body) in kinds.items():
+            auth = {"Authorization": f"Bearer {kind_keys[i % len(kind_keys)]}"}
+            before, t0 = cpu_ms(web_pid), time.perf_counter()
+            reply = await http.post(f"{base}/v1/completions", json=body, headers=auth)
+            latency[kind].append(time.perf_counter() - t0)
+            cpu[kind] += cpu_ms(web_pid) - before
+            statuses[f"{kind}:{reply.status_code}"] += 1
+    return {kind: {"latency_p50_ms": round(statistics.median(latency[kind]) * 1000, 2),
+                   "web_cpu_ms": round(cpu[kind] / n, 2)} for kind in kinds} | {
+        "statuses": dict(statuses)}
+
+
 async def fill(http: httpx.AsyncClient, base: str, keys: list[str], model: str,
                n: int) -> list[str]:
     """``n`` long streamed requests (the keys in turn) until the gate refuses: the fleet's
@@ -322,9 +352,15 @@ async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
                     if status != "200":
                         p99.setdefault(status, []).append(_quantile(sorted(latencies), 0.99))
                 await asyncio.sleep(2)
+        # The same two kinds one at a time: where the burst's difference comes from.
+        body = {"model": fleet.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        kinds = {"bad": (bad, body), "good": (keys, body),
+                 "invalid": (keys, {**body, "max_tokens": -1})}  # 400 after auth and parse
+        single = await one_by_one(http, base, kinds, 200, fleet.web_pids["cache_aware"])
         for task in fill.tasks:  # type: ignore[attr-defined]
             task.cancel()  # their readers gone, the daemons cancel them (the resume grace)
     out: dict[str, Any] = {"burst": n, "rounds": rounds, "statuses": dict(counts),
+                           "one_at_a_time": single,
                            **{f"p99_{s}_ms": [round(v * 1000, 1) for v in vs]
                               for s, vs in sorted(p99.items())}}
     if p99.get("503") and p99.get("401"):

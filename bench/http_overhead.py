@@ -42,6 +42,7 @@ from pathlib import Path
 
 from _common import ROOT, machine, model_path
 
+from config.listen import daphne_endpoint
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
 from scheduler_daemon.scheduler import SchedulerConfig
@@ -202,7 +203,8 @@ class Stack:
         self._run([*manage, "create_tenant", "bench"])
         key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
         log = (self.tmp / "log.txt").open("ab")
-        daphne = [sys.executable, "-m", "daphne", "-p", str(self.port), "config.asgi:application"]
+        daphne = [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
+                  "config.asgi:application"]  # as make run starts it
         scheduler = [*manage, "run_scheduler", "--grace", "1"]
         if self.supervise:
             scheduler.append("--supervise")

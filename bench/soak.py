@@ -67,6 +67,7 @@ import redis.asyncio as aioredis
 from _common import ROOT, machine  # (also puts the project on sys.path)
 from http_overhead import Stack, _free_port
 
+from config.listen import daphne_endpoint
 from wire import protocol
 
 WORKERS = 4
@@ -260,7 +261,7 @@ class Soak:
                 [*manage, "create_api_key", tenant]).strip().splitlines()[-1]
         self.daemon = self._start_daemon()
         self.daphne = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(stack.port),
+            [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", stack.port),
              "config.asgi:application"],
             cwd=ROOT, env=stack.env, stdout=(self.tmp / "daphne.log").open("ab"),
             stderr=subprocess.STDOUT, start_new_session=True)

@@ -22,16 +22,8 @@ import secrets
 import statistics
 from pathlib import Path
 
-from _common import ROOT, machine  # (also puts the project on sys.path)
+from _common import ROOT, cpu_ms, machine  # (also puts the project on sys.path)
 from http_overhead import Stack, one_stream
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_ms(pid: int) -> float:
-    """User + system CPU of a process so far, in ms."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1000 / TICKS
 
 
 async def plain(port: int, key: str, body: bytes) -> None:

@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from config.listen import daphne_endpoint  # noqa: E402
 from config.models import CATALOG, DEFAULT_MODELS, GEMMA, GEMMA_FILE, SMOLLM2_PIN  # noqa: E402
 
 PY = sys.executable
@@ -554,7 +555,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 env.pop("MODEL_PATH", None)  # its catalog file (MODEL_PATH is Gemma's)
             procs.append(start(f"scheduler ({name})",
                                [PY, "manage.py", "run_scheduler", "--supervise"], env))
-        daphne = [PY, "-m", "daphne", "-b", host, "-p", port, "config.asgi:application"]
+        # its own listen backlog: Twisted's default of 50 drops a burst's connections
+        daphne = [PY, "-m", "daphne", "-e", daphne_endpoint(host, port),
+                  "config.asgi:application"]
         procs.append(start("daphne", daphne))
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         wait_healthy(f"{base}/v1/health", procs, models)

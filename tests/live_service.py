@@ -37,6 +37,7 @@ from urllib.parse import quote, urlencode
 import redis
 from django.conf import settings
 
+from config.listen import daphne_endpoint
 from config.models import CATALOG, SMOLLM2, SMOLLM2_PIN
 from wire import protocol, queue
 
@@ -179,9 +180,7 @@ class WebServer:
                               check=True, capture_output=True, text=True)
         self.keys = json.loads(made.stdout.strip().splitlines()[-1])
         log = (self.tmp / "daphne.log").open("ab")
-        argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                "config.asgi:application"]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+        self.proc = subprocess.Popen(self.daphne_argv(), cwd=ROOT, env=self.env, stdout=log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
@@ -192,6 +191,11 @@ class WebServer:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"daphne did not start:\n{self.log_tail()}") from None
                 time.sleep(0.2)
+
+    def daphne_argv(self) -> list[str]:
+        """daphne on this server's port, listening as ``make run`` starts it."""
+        return [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
+                "config.asgi:application"]
 
     def stop(self) -> None:
         """Stop daphne and remove its files (database, logs)."""

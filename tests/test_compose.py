@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config.listen import daphne_endpoint
 from config.models import CATALOG, GEMMA, SMOLLM2, SMOLLM2_PIN
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -52,6 +53,13 @@ def test_web_runs_daphne_on_the_asgi_app(services):
     cmd = command(services["web"])
     assert "daphne" in cmd
     assert "config.asgi:application" in cmd
+
+
+def test_web_listens_with_the_backlog_make_run_uses(services):
+    """Twisted's default backlog (50) drops a burst's connections; compose's daphne listens
+    as make run's does (config/listen.py)."""
+    args = services["web"]["command"]
+    assert args[args.index("-e") + 1] == daphne_endpoint("0.0.0.0", 8000)
 
 
 def test_scheduler_runs_the_daemon_command(services):

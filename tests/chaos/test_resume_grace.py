@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -52,9 +51,7 @@ class RestartableWeb(WebServer):
 
     def relaunch(self) -> None:
         log = (self.tmp / "daphne.log").open("ab")
-        argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                "config.asgi:application"]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+        self.proc = subprocess.Popen(self.daphne_argv(), cwd=ROOT, env=self.env, stdout=log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + GUARD_S
         while True:
