@@ -228,6 +228,16 @@ def test_the_room_daemons_have_free_counts_at_the_gate(model):
     assert admit(model, "t4").code == "queue_full"
 
 
+def test_a_live_load_below_zero_gives_no_more_room_than_an_idle_daemon(model):
+    """Ends the daemon never took through TAKE (a dead one's jobs it took over) take the
+    live load below zero until the next beat resets it: it counts as idle, no more."""
+    r = redis_conn()
+    fleet(r, model, max_queue=0, capacity=2, held=0)
+    r.hset(queue.load_key(model), "d1", -5)
+    assert [admit_and_enqueue(r, model, t) for t in ("t1", "t2")] == [None, None]
+    assert admit(model, "t3").code == "queue_full"
+
+
 def test_a_burst_admitted_at_once_counts_before_it_is_enqueued(model):
     r = redis_conn()
     fleet(r, model, max_queue=3)
@@ -391,6 +401,31 @@ def test_a_stopping_daemon_hands_its_routed_jobs_to_the_shared_queue(model, daem
     queue.enqueue(r, job(model, "A"), route=route(chain=["h1"]))
     assert queue.drain_back(r, model, "d1") == 1
     assert r.zcard(queue.ready_key(model)) == 1
+
+
+def test_leaving_moves_the_routed_jobs_and_the_fleet_entry_in_one_step(model, daemons):
+    """A stopping daemon's move and its fleet entry's removal are one script: had the entry
+    gone first and the move never come (Redis away, the process killed between), its routed
+    jobs would wait in a set no TAKE looks at (only the listed daemons' sets are drained)."""
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    queue.enqueue(r, job(model, "A"), route=route(chain=["h1"]))
+    assert queue.drain_back(r, model, "d1", leave=True) == 1
+    assert not r.hexists(queue.fleet_key(model), "d1")
+    assert not r.hexists(queue.load_key(model), "d1")
+    assert len(queue.take(r, model, "d2", 5)[0]) == 1
+
+
+def test_a_daemon_that_never_said_goodbye_has_its_routed_jobs_taken_once_stale(model,
+                                                                              daemons):
+    r = redis_conn()
+    two_daemons(r, model)
+    summary(r, "d1", "h1")
+    queue.enqueue(r, job(model, "A"), route=route(chain=["h1"]))
+    assert queue.take(r, model, "d2", 5)[0] == []  # d1 is alive: its job waits for it
+    fleet(r, model, "d1", at=time.time() - 60)  # its entry, still listed, goes stale
+    assert len(queue.take(r, model, "d2", 5)[0]) == 1
 
 
 def test_the_gate_counts_routed_jobs_as_waiting(model, daemons):

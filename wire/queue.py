@@ -320,10 +320,18 @@ if bell[1] then last = bell[1][1] end
 return {{out, last}}
 """
 
-# KEYS: the queue's; ARGV: a daemon id. Its routed set back into the shared one (a daemon
-# that stops, or whose dead entry is pruned); returns how many jobs moved.
+# KEYS: the queue's; ARGV: a daemon id, and "1" to take it out of the fleet as well. Its
+# routed set back into the shared one (a daemon that stops, or whose dead entry is pruned);
+# with "1", its fleet and load entries go in the same step: no job can be routed to it
+# after, and none stays in a routed set no TAKE looks at (TAKE drains the routed sets of
+# the daemons the fleet hash lists). Returns how many jobs moved.
 DRAIN_BACK = _COMMON + """
-return drain_back(ARGV[1])
+local moved = drain_back(ARGV[1])
+if ARGV[2] == '1' then
+  redis.call('HDEL', KEYS[7], ARGV[1])
+  redis.call('HDEL', KEYS[8], ARGV[1])
+end
+return moved
 """
 
 
@@ -391,10 +399,11 @@ def take(client: Any, model: str, daemon_id: str, count: int) -> tuple[list[Any]
     return [(entry[0], _fields(entry[1])) for entry in entries], _text(last)
 
 
-def drain_back(client: Any, model: str, daemon_id: str) -> int:
-    """Move the jobs routed to ``daemon_id`` back into the shared set; how many moved."""
+def drain_back(client: Any, model: str, daemon_id: str, leave: bool = False) -> int:
+    """Move the jobs routed to ``daemon_id`` back into the shared set; how many moved.
+    ``leave``: and drop its fleet and load entries, atomically with the move."""
     keys = _queue_keys(model)
-    return int(client.eval(DRAIN_BACK, len(keys), *keys, daemon_id))
+    return int(client.eval(DRAIN_BACK, len(keys), *keys, daemon_id, "1" if leave else "0"))
 
 
 def waiting(client: Any, model: str) -> int:
@@ -459,7 +468,7 @@ do
       live = live + 1
       -- its queue allowance, and the room it had at its last beat (a burst after a quiet
       -- spell is not refused before the daemons could take it)
-      local held = tonumber(redis.call('HGET', KEYS[{g + 5}], fleet[i]) or d.held) or 0
+      local held = math.max(0, tonumber(redis.call('HGET', KEYS[{g + 5}], fleet[i]) or d.held) or 0)
       free = free + math.max(0, (tonumber(d.capacity) or 0) - held)
       cap = cap + (tonumber(d.max_queue) or 0)
       share = share + (tonumber(d.max_queue_per_tenant) or 0)
