@@ -123,6 +123,17 @@ def test_entries_added_without_the_script_are_swept_in_and_taken(model):
                                      for k, v in f.items()} for f in taken]
 
 
+def test_an_enqueue_sent_again_places_the_job_once(model):
+    """A resent ENQUEUE (its first reply lost to a broken connection) gets the first
+    placement back: one entry, taken once, never run twice."""
+    r = redis_conn()
+    queued = job(model, "A")
+    first = queue.enqueue(r, queued)
+    assert queue.enqueue(r, queued) == first
+    assert r.xlen(queue.jobs_stream(model)) == 1
+    assert len(take_all(r, model, count=5)) == 1
+
+
 def test_a_job_deleted_while_waiting_is_skipped(model):
     r = redis_conn()
     gone = queue.enqueue(r, job(model, "A", "gone")).entry_id

@@ -69,6 +69,7 @@ BELL_MAXLEN = 16
 BELL_BLOCK_MS = 500
 SWEEP_COUNT = 256  # unqueued entries swept per script run
 ADMIT_HOLD_S = 30  # an admitted request not enqueued within this long no longer counts
+ENQUEUED_TTL_S = 60  # how long an ENQUEUE sent again returns the first placement
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 # Past any entry id: reading the history after it returns nothing, but counts as the
 # consumer's interaction (XINFO CONSUMERS ``idle``), which the dead-daemon check reads.
@@ -107,6 +108,14 @@ def keys_of(model: str) -> list[str]:
 def routed_key(model: str, daemon_id: str) -> str:
     """Jobs routed to one daemon, waiting (the same members and tags as ``ready_key``)."""
     return f"{ready_key(model)}:d:{daemon_id}"
+
+
+def enqueued_key(request_id: str) -> str:
+    """ENQUEUE's reply for a request, kept ENQUEUED_TTL_S: the same call sent again (a
+    client's retry after a reply lost to a broken connection: redis-py resends a command
+    once on a ConnectionError) gets it back instead of a second job entry, which would
+    run the request again once the first had ended."""
+    return f"{PREFIX}:queue:enqueued:{request_id}"
 
 
 def admitted_key(model: str) -> str:
@@ -211,6 +220,8 @@ end
 # daemon takes from when it has room (the least loaded, in effect). One live daemon, or no
 # chain and no session: the shared set ("fallback").
 ENQUEUE = _COMMON + f"""
+local prior = redis.call('GET', KEYS[13])  -- this request enqueued already: a resent call
+if prior then return cjson.decode(prior) end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[4]) then return false end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[9], 1, 'PX', ARGV[3]) end
 redis.call('ZREM', KEYS[11], ARGV[5])  -- admitted by the gate: now it waits in the queue
@@ -275,7 +286,9 @@ sweep(id, ARGV[2], set)
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', {BELL_MAXLEN}, '*', 'n', 1)
 redis.call('HINCRBY', KEYS[10], reason, 1)
 if target ~= nil then redis.call('HINCRBY', KEYS[10], reason .. ':' .. target, 1) end
-return {{id, reason, target or ''}}
+local placed = {{id, reason, target or ''}}
+redis.call('SET', KEYS[13], cjson.encode(placed), 'EX', {ENQUEUED_TTL_S})
+return placed
 """
 
 # KEYS: the queue's; ARGV: the daemon (consumer) id, how many jobs it can hold now (0:
@@ -368,7 +381,7 @@ def enqueue_call(model: str, job_json: str, tenant_id: str, request_id: str, wat
     route = route or Route()
     now = time.time() if now is None else now
     keys = [*_queue_keys(model), watch_key, routes_key(model), admitted_key(model),
-            tenant_admitted_key(model, tenant_id)]  # KEYS[9] .. KEYS[12]
+            tenant_admitted_key(model, tenant_id), enqueued_key(request_id)]  # KEYS[9] ..
     return ENQUEUE, keys, [job_json, tenant_id, watch_ms, cap, request_id, *route.args(now)]
 
 
