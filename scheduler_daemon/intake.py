@@ -140,6 +140,9 @@ class Intake:
         self._taken: list[float] = []  # when jobs were taken (monotonic), DRAIN_WINDOW_S
         self._taken_lock = threading.Lock()
         self._bell = "0-0"  # the queue's bell entry seen last (wait for one after it)
+        # the takes' sequence numbers (queue.take): from the clock, so that a run restarted
+        # under this id never repeats an earlier run's number
+        self._take_seq = time.time_ns()
         self._last_alive = 0.0
         self.summary = AffinitySummary()  # the chains of the jobs started here
         self.summary_key = wire_affinity.summary_key(daemon_id)
@@ -200,7 +203,10 @@ class Intake:
         """Up to ``count`` jobs from the model's fair queue (0: none, only shows this daemon's
         consumer alive); [] while Redis is away or the stream is gone (recreated)."""
         try:
-            entries, self._bell = queue.take(self.redis, self.model, self.daemon_id, count)
+            entries, self._bell = queue.take(self.redis, self.model, self.daemon_id, count,
+                                             self._take_seq)
+            if count > 0:  # replied: the next take is a new one (after an error: the same)
+                self._take_seq += 1
             self._last_alive = time.monotonic()
             self._outage.succeeded()
         except redis.ResponseError as exc:

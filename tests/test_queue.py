@@ -98,6 +98,24 @@ def test_take_gives_at_most_count_and_moves_them_to_the_daemon(model):
     assert r.zcard(queue.ready_key(model)) == 0
 
 
+def test_a_take_sent_again_gets_the_same_jobs_back_and_no_others(model):
+    """A take whose reply was lost (the jobs pending under the daemon, which never saw
+    them) is sent again under the same number: the same jobs come back, nothing more is
+    taken; the next number takes on."""
+    r = redis_conn()
+    for tenant in ("A", "B", "C"):
+        queue.enqueue(r, job(model, tenant))
+    first, _ = queue.take(r, model, "d1", 2, seq=7)  # its reply "lost"
+    again, _ = queue.take(r, model, "d1", 2, seq=7)
+    assert [e[0] for e in again] == [e[0] for e in first] and len(first) == 2
+    assert queue.take(r, model, "d1", 0, seq=8)[0] == []  # a touch takes nothing
+    rest, _ = queue.take(r, model, "d1", 5, seq=8)
+    assert len(rest) == 1 and rest[0][0] not in {e[0] for e in first}
+    assert queue.take(r, model, "d1", 5, seq=8)[0] == rest  # that one sent again too
+    r.xclaim(queue.jobs_stream(model), protocol.JOBS_GROUP, "d2", 0, [rest[0][0]])
+    assert queue.take(r, model, "d1", 5, seq=8)[0] == []  # d2 reclaimed it: not d1's
+
+
 def test_count_zero_takes_nothing_but_shows_the_consumer_alive(model):
     r = redis_conn()
     queue.enqueue(r, job(model, "A"))

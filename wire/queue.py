@@ -70,6 +70,7 @@ BELL_BLOCK_MS = 500
 SWEEP_COUNT = 256  # unqueued entries swept per script run
 ADMIT_HOLD_S = 30  # an admitted request not enqueued within this long no longer counts
 ENQUEUED_TTL_S = 60  # how long an ENQUEUE sent again returns the first placement
+TAKE_MEMO_TTL_S = 3600  # how long a TAKE sent again (after an outage) gets its jobs back
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 # Past any entry id: reading the history after it returns nothing, but counts as the
 # consumer's interaction (XINFO CONSUMERS ``idle``), which the dead-daemon check reads.
@@ -108,6 +109,11 @@ def keys_of(model: str) -> list[str]:
 def routed_key(model: str, daemon_id: str) -> str:
     """Jobs routed to one daemon, waiting (the same members and tags as ``ready_key``)."""
     return f"{ready_key(model)}:d:{daemon_id}"
+
+
+def taken_key(model: str, daemon_id: str) -> str:
+    """A daemon's last take that took jobs: [its sequence number, entry ids] (TAKE)."""
+    return f"{ready_key(model)}:taken:{daemon_id}"
 
 
 def enqueued_key(request_id: str) -> str:
@@ -292,11 +298,35 @@ return placed
 """
 
 # KEYS: the queue's; ARGV: the daemon (consumer) id, how many jobs it can hold now (0:
-# none, it only shows it is alive), the oldest heartbeat that counts. Takes the lowest tag
-# of its own routed set and the shared one, first moving back into the shared set what
-# was routed to daemons that are gone or drained. Returns {entries, the bell's last id}:
-# each entry {id, fields} as XCLAIM gives it, now pending under the daemon.
+# none, it only shows it is alive), the oldest heartbeat that counts, the take's sequence
+# number ("0": none). Takes the lowest tag of its own routed set and the shared one, first
+# moving back into the shared set what was routed to daemons that are gone or drained.
+# Returns {entries, the bell's last id}: each entry {id, fields} as XCLAIM gives it, now
+# pending under the daemon. A take with the sequence number of the daemon's last take that
+# took jobs is that take sent again (its reply was lost: the jobs are pending under the
+# daemon, which does not know them): it gets the same jobs back and takes no others.
 TAKE = _COMMON + f"""
+local function last_bell()
+  local bell = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)
+  if bell[1] then return bell[1][1] end
+  return '0-0'
+end
+local memo_key, seq = KEYS[2] .. ':taken:' .. ARGV[1], ARGV[4]
+if tonumber(ARGV[2]) > 0 and seq ~= '0' then
+  local memo = redis.call('GET', memo_key)
+  if memo then
+    local m = cjson.decode(memo)
+    if m[1] == seq then
+      local again = {{}}
+      for i = 2, #m do  -- those still pending under this daemon (not ended, not reclaimed)
+        local mine = redis.call('XPENDING', KEYS[1], '{JOBS_GROUP}', m[i], m[i], 1, ARGV[1])
+        local entry = redis.call('XRANGE', KEYS[1], m[i], m[i])
+        if mine[1] and entry[1] then again[#again + 1] = entry[1] end
+      end
+      return {{again, last_bell()}}
+    end
+  end
+end
 sweep(nil, nil, nil)
 local all, live = live_fleet(tonumber(ARGV[3]))
 for daemon, _ in pairs(all) do
@@ -325,12 +355,16 @@ while #out < want do
   local claimed = redis.call('XCLAIM', KEYS[1], '{JOBS_GROUP}', ARGV[1], 0, id)
   if claimed[1] then out[#out + 1] = claimed[1] end  -- else deleted meanwhile
 end
-if #out > 0 then redis.call('HINCRBY', KEYS[8], ARGV[1], #out) end
+if #out > 0 then
+  redis.call('HINCRBY', KEYS[8], ARGV[1], #out)
+  if seq ~= '0' then
+    local m = {{seq}}
+    for i = 1, #out do m[#m + 1] = out[i][1] end
+    redis.call('SET', memo_key, cjson.encode(m), 'EX', {TAKE_MEMO_TTL_S})
+  end
+end
 if redis.call('HLEN', KEYS[3]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
-local bell = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)
-local last = '0-0'
-if bell[1] then last = bell[1][1] end
-return {{out, last}}
+return {{out, last_bell()}}
 """
 
 # KEYS: the queue's; ARGV: a daemon id, and "1" to take it out of the fleet as well. Its
@@ -401,14 +435,17 @@ def enqueue(client: Any, job: Job, watch_ms: int = 0, cap: int = JOBS_MAX_PENDIN
     return placed(client.eval(script, len(keys), *keys, *args))
 
 
-def take(client: Any, model: str, daemon_id: str, count: int) -> tuple[list[Any], str]:
+def take(client: Any, model: str, daemon_id: str, count: int,
+         seq: int = 0) -> tuple[list[Any], str]:
     """Take up to ``count`` jobs (its routed ones and the shared ones, fair across tenants)
     for ``daemon_id``: ([(entry id, fields)], the bell's last id, to block on with
     ``wait_for_bell``). ``count`` 0 takes nothing and only marks the daemon's consumer as
-    alive (and moves gone daemons' routed jobs back)."""
+    alive (and moves gone daemons' routed jobs back). ``seq``: the take's number, the same
+    again after an error (the reply may be lost with the jobs it took: the same number
+    gets them back), the next one after a reply (0: no such retries)."""
     keys = _queue_keys(model)
     entries, last = client.eval(TAKE, len(keys), *keys, daemon_id, max(0, int(count)),
-                                repr(time.time() - HEARTBEAT_TTL_S))
+                                repr(time.time() - HEARTBEAT_TTL_S), str(int(seq)))
     return [(entry[0], _fields(entry[1])) for entry in entries], _text(last)
 
 

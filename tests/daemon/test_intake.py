@@ -7,6 +7,7 @@ import threading
 import uuid
 
 import pytest
+import redis
 
 from scheduler_daemon.chat import message_pairs
 from scheduler_daemon.control import Control
@@ -219,3 +220,38 @@ def test_a_drain_command_pauses_the_intake_and_resume_reopens_it():
         reader.join(30)
         client.delete(intake.jobs_stream)
     assert not reader.is_alive()
+
+
+class ReplyLost:
+    """A Redis client whose next ``eval`` runs, then raises as if the connection broke
+    before its reply came (the jobs a TAKE took are pending under the daemon)."""
+
+    def __init__(self, client) -> None:
+        self.client, self.armed = client, True
+
+    def eval(self, *args):
+        reply = self.client.eval(*args)
+        if self.armed:
+            self.armed = False
+            raise redis.ConnectionError("connection lost before the reply")
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_jobs_taken_by_a_take_whose_reply_was_lost_are_taken_by_the_next(intake):
+    real = intake.redis
+    jobs = [job(prompt="x") for _ in range(2)]
+    for queued in jobs:
+        real.xadd(intake.jobs_stream, queued.encode())
+    intake.redis = ReplyLost(real)
+    intake._outage.failed = lambda exc: 0  # noqa: SLF001 - no backoff sleep in the test
+    try:
+        assert intake._read(2) == []  # noqa: SLF001 - taken in Redis, the reply lost
+        assert intake.redis.xpending(intake.jobs_stream, protocol.JOBS_GROUP)["pending"] == 2
+        got = intake._read(2)  # noqa: SLF001
+    finally:
+        intake.redis = real
+    assert sorted(protocol.Job.decode(fields).id for _, fields in got) == sorted(
+        j.id for j in jobs)
