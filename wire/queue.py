@@ -363,7 +363,15 @@ if #out > 0 then
     redis.call('SET', memo_key, cjson.encode(m), 'EX', {TAKE_MEMO_TTL_S})
   end
 end
-if redis.call('HLEN', KEYS[3]) == 0 then redis.call('DEL', KEYS[4], KEYS[5]) end
+if redis.call('HLEN', KEYS[3]) == 0 then
+  -- nothing waits: forget the tags at or behind the clock (a tag there counts as none), so
+  -- the hash holds only the tenants served last; the clock and the tags ahead of it stay,
+  -- or a tenant whose job was just taken would tie the next tenant's first job
+  local clock, tags = tonumber(redis.call('GET', KEYS[5]) or '0'), redis.call('HGETALL', KEYS[4])
+  for i = 1, #tags, 2 do
+    if tonumber(tags[i + 1]) <= clock then redis.call('HDEL', KEYS[4], tags[i]) end
+  end
+end
 return {{out, last_bell()}}
 """
 
