@@ -156,23 +156,22 @@ async def _collect(stream) -> list:
 async def test_enqueue_writes_the_watch_key_with_the_job_and_never_without_it(r, request_id,
                                                                               monkeypatch):
     model = f"m-{uuid.uuid4().hex[:6]}"
-    job = protocol.Job(id=request_id, kind="completion", model=model, tenant_id="1",
-                       cache_scope="1", prompt="hi")
-    key = protocol.watch_key(request_id)
+    jobs = [protocol.Job(id=f"{request_id}-{i}", kind="completion", model=model, tenant_id="1",
+                         cache_scope="1", prompt="hi") for i in range(3)]  # one id each
+    keys = [protocol.watch_key(job.id) for job in jobs]
     try:
-        await broker.enqueue(job, watch_ms=5000)
+        await broker.enqueue(jobs[0], watch_ms=5000)
         assert r.xlen(protocol.jobs_stream(model)) == 1
-        assert 4000 < r.pttl(key) <= 5000  # one script: the key came with the job
-        r.delete(key)
+        assert 4000 < r.pttl(keys[0]) <= 5000  # one script: the key came with the job
         monkeypatch.setattr(protocol, "JOBS_MAX_PENDING", 1)
         with pytest.raises(ApiError):
-            await broker.enqueue(job, watch_ms=5000)
-        assert not r.exists(key)  # refused: no job, so no key either
+            await broker.enqueue(jobs[1], watch_ms=5000)
+        assert not r.exists(keys[1])  # refused: no job, so no key either
         monkeypatch.setattr(protocol, "JOBS_MAX_PENDING", 10)
-        await broker.enqueue(job)  # watch_ms 0 (no grace): no key
-        assert not r.exists(key) and r.xlen(protocol.jobs_stream(model)) == 2
+        await broker.enqueue(jobs[2])  # watch_ms 0 (no grace): no key
+        assert not r.exists(keys[2]) and r.xlen(protocol.jobs_stream(model)) == 2
     finally:
-        r.delete(protocol.jobs_stream(model), key)
+        r.delete(protocol.jobs_stream(model), *keys)
 
 
 async def test_a_full_jobs_stream_refuses_the_enqueue_with_503(r, request_id, monkeypatch):
