@@ -157,19 +157,15 @@ class Heartbeat:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(protocol.daemon_key(self.daemon_id))
         pipe.zrem(protocol.DAEMONS_ZSET, self.daemon_id)
-        if self.fleet is None:
-            pipe.hdel(self.fleet_key, self.daemon_id)
-            pipe.hdel(self.load_key, self.daemon_id)
         if self.intake is not None:
             pipe.delete(self.intake.summary_key)
         pipe.set(protocol.gone_key(self.daemon_id), 1, ex=protocol.GONE_TTL_S)
         pipe.execute()
-        if self.fleet is not None:  # what was routed here and not taken goes to the others
-            # in one step with the fleet entry's removal: if this never runs (Redis away,
-            # killed here), the entry stays listed, goes stale, and the others' TAKE and
-            # pruning drain it back
-            moved = queue.drain_back(self.redis, self.model, self.daemon_id, leave=True)
-            if moved:
-                log.warning("moved %d jobs routed here back to the shared queue", moved)
+        # What was routed here and not taken goes to the others, in one step with the fleet
+        # and load entries' removal: if this never runs (Redis away, killed here), the entry
+        # stays listed, goes stale, and the others' TAKE and pruning drain it back.
+        moved = queue.drain_back(self.redis, self.model, self.daemon_id, leave=True)
+        if moved:
+            log.warning("moved %d jobs routed here back to the shared queue", moved)
         if not self.redis.hlen(self.running_key):
             self.redis.delete(self.running_key)
