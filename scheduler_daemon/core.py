@@ -202,7 +202,7 @@ class InferenceCore:
                 model_path=str(get("MODEL_PATH")),
                 n_ctx=get("N_CTX"),
                 n_batch=get("N_BATCH"),
-                n_seq_max=get("N_PARALLEL"),
+                n_seq_max=get("N_PARALLEL") + 1,  # the slots and the prefix cache's park
                 n_threads=get("N_THREADS") or os.cpu_count() or 1,
             )
         )
@@ -216,6 +216,7 @@ class InferenceCore:
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
             kv_scope_share=get("KV_TENANT_SHARE"),
             max_queue_per_scope=get("MAX_QUEUE_PER_TENANT"),
+            park_seq=True,
         )
         max_prompt_bytes = overrides.get(
             "max_prompt_bytes", getattr(settings, "MAX_PROMPT_BYTES", DEFAULT_MAX_PROMPT_BYTES)

@@ -10,7 +10,14 @@ looked at, copied or restored (SGLang's radix cache keys on (extra_key, tokens) 
   ``llama_state_seq_set_data`` instead of prefilling.
 
 Before a slot's cached KV is destroyed (reused for another prompt or scope, purged under
-KV pressure) it is saved to RAM, if that tier is on and the state fits its budget.
+KV pressure) it is saved to RAM, if that tier is on and the state fits its budget. With a
+*park* sequence (``park_seq``), an admission does not pay that save before its prefill:
+the slot's cells are shared with the park (``llama_memory_seq_cp``, metadata only), the
+slot is cut and prefilled at once, and the parked state is serialized after the tick's
+decode (``settle``: the scheduler calls it at the end of every tick and first under KV
+pressure), then the park is emptied. One state is parked at a time; a second waits for
+the first to be settled. llama-server pays this save before the prefill (its prompt
+cache's ``prompt_save`` when a slot is picked by LRU): ~2 ms of the TTFT here.
 The last prompt token is always evaluated, so there are logits to sample the first token.
 All methods run on the scheduler's loop thread with its lock held.
 """
@@ -61,6 +68,15 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+@dataclass(slots=True, frozen=True)
+class _Parked:
+    """A slot's state waiting in the park sequence for its RAM save (``settle``)."""
+
+    scope: str
+    tokens: list[int]
+    protect: RamEntry | None
+
+
 @dataclass(slots=True)
 class _Source:
     tier: str
@@ -81,6 +97,7 @@ class PrefixCache:
         counters: Counter[str],
         emit: Callable[[CacheEvent], None],
         clock: Callable[[], float],
+        park_seq: int | None = None,
     ) -> None:
         self.engine = engine
         self.ram = ram
@@ -89,6 +106,8 @@ class PrefixCache:
         self.counters = counters
         self._emit = emit
         self._clock = clock
+        self.park_seq = park_seq
+        self._parked: _Parked | None = None
 
     def prepare(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Make ``slot`` hold the longest reusable prefix of the prompt; set ``cached_tokens``."""
@@ -106,7 +125,7 @@ class PrefixCache:
             self._check_stability(req, slots, matches)
         keep = own if best.tier != "ram" else 0  # a restore replaces the whole sequence
         if keep < len(slot.tokens):
-            self.preserve(slot, slots, protect=best.entry)
+            self.preserve(slot, slots, protect=best.entry, defer=True)
             keep = self._truncate(slot, keep)
         if keep == 0:
             slot.cache_hits = 0
@@ -137,8 +156,10 @@ class PrefixCache:
             req.cached_tokens += n - done
             self._count_hit("cross_slot", n - done)
 
-    def preserve(self, slot: Slot, slots: list[Slot], protect: RamEntry | None = None) -> None:
-        """Save a slot's cached KV to RAM before it is destroyed, unless held elsewhere."""
+    def preserve(self, slot: Slot, slots: list[Slot], protect: RamEntry | None = None,
+                 defer: bool = False) -> None:
+        """Save a slot's cached KV to RAM before it is destroyed, unless held elsewhere.
+        ``defer`` (with a park sequence): park it now, save it at the next ``settle``."""
         tokens, scope = slot.tokens, slot.scope
         if self.ram is None or scope is None or len(tokens) < self.min_save_tokens:
             return
@@ -147,7 +168,37 @@ class PrefixCache:
             return  # another slot holds it (or more); it is saved when that one goes
         if self.ram.covers(scope, tokens):
             return
-        size = self.engine.state_size(slot.seq_id)  # asked first: never allocate past the budget
+        if defer and self.park_seq is not None:
+            self.settle()  # one parked state at most
+            self.engine.kv_copy(slot.seq_id, self.park_seq, 0, n)
+            self._parked = _Parked(scope, list(tokens), protect)
+            return
+        self._save(slot.seq_id, scope, tokens, protect)
+
+    @property
+    def parked(self) -> bool:
+        """Whether a state waits in the park sequence for ``settle``."""
+        return self._parked is not None
+
+    def settle(self) -> bool:
+        """Save the parked state to RAM (if it still fits and is not covered by now), then
+        empty the park. True when a state was parked (its cells are free now)."""
+        parked, self._parked = self._parked, None
+        if parked is None or self.park_seq is None:
+            return False
+        try:
+            if self.ram is not None and not self.ram.covers(parked.scope, parked.tokens):
+                self._save(self.park_seq, parked.scope, parked.tokens, parked.protect)
+        finally:
+            self.engine.kv_remove(self.park_seq, 0, -1)
+        return True
+
+    def _save(self, seq_id: int, scope: str, tokens: list[int],
+              protect: RamEntry | None) -> None:
+        """Sequence ``seq_id``'s state (holding ``tokens`` of ``scope``) into the RAM tier."""
+        assert self.ram is not None
+        n = len(tokens)
+        size = self.engine.state_size(seq_id)  # asked first: never allocate past the budget
         if not self.ram.fits(scope, size):
             self._event("reject", scope, n, size)
             return
@@ -157,10 +208,10 @@ class PrefixCache:
         if not room:
             self._event("reject", scope, n, size)
             return
-        data = self.engine.state_save(slot.seq_id, size)
+        data = self.engine.state_save(seq_id, size)
         if data is None:
             self.counters["ram_save_failures"] += 1
-            log.warning("could not save slot %d's state (%d bytes)", slot.seq_id, size)
+            log.warning("could not save sequence %d's state (%d bytes)", seq_id, size)
             return
         self.ram.add(scope, tokens, data, size, self._clock())
         self._event("save", scope, n, size)

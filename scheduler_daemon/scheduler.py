@@ -99,6 +99,11 @@ class SchedulerConfig:
     # (a request may carry its tenant's own cap). None: no cap.
     kv_scope_share: float = 1.0
     max_queue_per_scope: int | None = None
+    # The engine's last sequence is no slot but the prefix cache's park: an admission that
+    # evicts a slot's prefix parks it there and its RAM save runs after the tick's decode,
+    # not before the new prompt's prefill (prefix_cache.py). The engine needs one sequence
+    # more than the slots (``InferenceCore.from_settings``: N_PARALLEL + 1).
+    park_seq: bool = False
 
 
 class Scheduler:
@@ -122,7 +127,10 @@ class Scheduler:
         # registers a request's handle under it, so no event can outrun the registration).
         self.lock = threading.RLock()
         self._work = threading.Event()
-        self._slots = [Slot(seq_id=i) for i in range(engine.n_seq_max)]
+        n_slots = engine.n_seq_max - 1 if config.park_seq else engine.n_seq_max
+        if n_slots < 1:
+            raise ValueError("the engine has no sequence for a slot besides the park")
+        self._slots = [Slot(seq_id=i) for i in range(n_slots)]
         self._waiting: FairQueue[str, RequestState] = FairQueue()  # keyed by cache_scope
         self._requests: dict[str, RequestState] = {}
         self._cancels: set[str] = set()
@@ -152,9 +160,10 @@ class Scheduler:
             self.counters,
             self._cache_event,
             clock,
+            park_seq=n_slots if config.park_seq else None,
         )
-        for slot in self._slots:  # a new scheduler owns the context: start from empty sequences
-            engine.kv_remove(slot.seq_id, 0, -1)
+        for seq_id in range(engine.n_seq_max):  # a new scheduler owns the context: all empty
+            engine.kv_remove(seq_id, 0, -1)
 
     # -- called from any thread ---------------------------------------------------
 
@@ -380,7 +389,16 @@ class Scheduler:
     def run(self, plan: TickPlan) -> TickStats | None:
         """Decode ``plan`` and commit the results. Under KV pressure it re-plans: first
         without idle slots' cached prefixes, then with half the tokens, then the request
-        holding the most KV fails alone."""
+        holding the most KV fails alone. Then a state the tick's admissions parked is saved
+        (its first tokens are out by then: the save is off their TTFT)."""
+        try:
+            return self._run(plan)
+        finally:
+            if self.cache.parked:
+                with self.lock:
+                    self.cache.settle()
+
+    def _run(self, plan: TickPlan) -> TickStats | None:
         t0 = self._clock()
         retries, purged = 0, False
         while plan.rows:
@@ -845,8 +863,9 @@ class Scheduler:
             self.engine.kv_remove(p.slot.seq_id, p.row.pos0, -1)
 
     def _purge_idle(self) -> bool:
-        """KV pressure, first remedy: forget idle slots' cached prefixes."""
-        purged = False
+        """KV pressure, first remedy: the parked state saved and its cells freed, and idle
+        slots' cached prefixes forgotten."""
+        purged = self.cache.settle()
         for slot in self._slots:
             if slot.state is SlotState.IDLE and slot.tokens:
                 self.cache.preserve(slot, self._slots)

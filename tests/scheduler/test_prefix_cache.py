@@ -212,3 +212,26 @@ def test_a_conversation_lands_on_its_slot_while_it_is_free(core, monkeypatch):
     slots = {placed[f"conv-{t}"] for t in range(3)} | {placed["conv-unrelated"]}
     assert len(slots) == 1  # every turn, even one sharing no prefix, on the session's slot
     assert not slots & {v for k, v in placed.items() if k.startswith("other-2")}
+
+
+def test_a_parked_state_is_saved_and_restored_for_the_tenant_only(gemma_engine):
+    """With the park (as the daemon runs): tenant-a's prefix, evicted by another prompt, is
+    parked in the engine's last sequence, saved after that prompt's decode, and restored."""
+    core = make_core(gemma_engine, park_seq=True)  # three slots and the park
+    park = gemma_engine.n_seq_max - 1
+    try:
+        base = uncached(core)
+        ask(core, WARM_UP, "tenant-a")
+        story = "Story {}: a dog and a cat were friends for many years and"
+        for handle in [submit(core, story.format(i), "tenant-c") for i in range(3)]:
+            answer(handle)  # every slot taken: tenant-a's prefix evicted
+        counters = core.scheduler.counters
+        assert counters["ram_save"] >= 1 and core.scheduler.cache.park_seq == park
+        assert not core.scheduler.cache.parked and gemma_engine.kv_pos_max(park) == -1
+        assert len(core.snapshot()["slots"]) == park
+        hit = ask(core, RECALL, "tenant-a")
+        assert hit.cached_tokens > 100 and hit_tokens(core, "ram") == hit.cached_tokens
+        assert_recalls(hit, base)
+        assert ask(core, RECALL, "tenant-b").cached_tokens == 0
+    finally:
+        core.stop(grace_s=0)
