@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .state import CacheEvent, RequestState, Slot, SlotState
@@ -75,6 +75,7 @@ class _Parked:
     scope: str
     tokens: list[int]
     protect: RamEntry | None
+    forgotten: bool = False  # its scope was evicted since: freed, never saved
 
 
 @dataclass(slots=True)
@@ -180,6 +181,12 @@ class PrefixCache:
         """Whether a state waits in the park sequence for ``settle``."""
         return self._parked is not None
 
+    def forget_parked(self, scope: str) -> None:
+        """An operator evicted ``scope``: a parked state of it is freed, not saved. Only
+        marked here (any thread, the lock held); the loop thread frees it in ``settle``."""
+        if self._parked is not None and self._parked.scope == scope:
+            self._parked = replace(self._parked, forgotten=True)
+
     def settle(self) -> bool:
         """Save the parked state to RAM (if it still fits and is not covered by now), then
         empty the park. True when a state was parked (its cells are free now)."""
@@ -187,7 +194,8 @@ class PrefixCache:
         if parked is None or self.park_seq is None:
             return False
         try:
-            if self.ram is not None and not self.ram.covers(parked.scope, parked.tokens):
+            if (self.ram is not None and not parked.forgotten
+                    and not self.ram.covers(parked.scope, parked.tokens)):
                 self._save(self.park_seq, parked.scope, parked.tokens, parked.protect)
         finally:
             self.engine.kv_remove(self.park_seq, 0, -1)

@@ -320,6 +320,7 @@ class Scheduler:
             ]
             for slot in idle:
                 self._forget(slot)
+            self.cache.forget_parked(cache_scope)  # parked during a decode: never saved
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
             return len(idle) + ram
 

@@ -86,3 +86,17 @@ def test_the_slots_are_the_sequences_before_the_park(harness):
     h = harness(FakeEngine(n_seq_max=5), park_seq=True)
     assert [s["id"] for s in h.scheduler.snapshot()["slots"]] == [0, 1, 2, 3]
     assert h.scheduler.cache.park_seq == 4
+
+
+def test_a_scope_evicted_while_its_state_is_parked_is_not_saved(harness):
+    engine = FakeEngine(n_seq_max=2)
+    h = harness(engine, park_seq=True)
+    run_one(h, req("a1", toks(SYSTEM, user(1))))
+    evicted = []
+    # the operator's evict_scope arrives during b1's decode, after a1's prefix was parked
+    engine.on_decode = lambda rows: evicted.append(h.scheduler.evict_scope("a"))
+    h.scheduler.submit(req("b1", toks(user(9)), scope="b"))
+    h.step()
+    assert evicted == [0] and saves(engine) == [] and engine.cells.get(1, 0) == 0
+    h.run()
+    assert run_one(h, req("a2", toks(SYSTEM, user(1), user(3)))).stats.cached_tokens == 0
