@@ -145,6 +145,12 @@ class Scheduler:
         self._rr_next = 0
         self._tick = 0
         self._admitting = True
+        # KV cells are only touched on the loop thread (llama.cpp's memory is not safe to
+        # change during a decode, which runs outside the lock): a slot forgotten from
+        # another thread (an operator's evict_scope, a stopping daemon's drop) has its
+        # cells removed at the start of the next tick, before any slot is assigned.
+        self._loop_thread: int | None = None
+        self._kv_forgets: list[int] = []
         self.counters: Counter[str] = Counter()
         self.on_cache_event = on_cache_event  # may be set later; runs with the lock held
         ram = None
@@ -380,6 +386,8 @@ class Scheduler:
         """Apply the cancels, admit what fits, and plan the batch within ``N_BATCH``. The
         plan's rows are in flight until ``run(plan)``: call it next (on the loop thread)."""
         with self.lock:
+            self._loop_thread = threading.get_ident()
+            self._apply_kv_forgets()
             self.engine.abort_requested = False
             plan = TickPlan(self._tick + 1, self.engine.n_batch)
             plan.cancelled = self._apply_cancels()
@@ -827,10 +835,20 @@ class Scheduler:
             self._forget(slot)
 
     def _forget(self, slot: Slot) -> None:
-        self.engine.kv_remove(slot.seq_id, 0, -1)
+        loop = self._loop_thread
+        if loop is None or loop == threading.get_ident():
+            self.engine.kv_remove(slot.seq_id, 0, -1)
+        else:  # maybe during a decode: removed on the loop thread, before the next tick
+            self._kv_forgets.append(slot.seq_id)
         slot.tokens.clear()
         slot.scope = slot.session = None
         slot.cache_hits = 0
+
+    def _apply_kv_forgets(self) -> None:
+        """The cells of slots forgotten off the loop thread (lock held, loop thread)."""
+        forgets, self._kv_forgets = self._kv_forgets, []
+        for seq_id in forgets:
+            self.engine.kv_remove(seq_id, 0, -1)
 
     def _cache_event(self, event: CacheEvent) -> None:
         if self.on_cache_event is not None:
@@ -866,6 +884,7 @@ class Scheduler:
     def _purge_idle(self) -> bool:
         """KV pressure, first remedy: the parked state saved and its cells freed, and idle
         slots' cached prefixes forgotten."""
+        self._apply_kv_forgets()
         purged = self.cache.settle()
         for slot in self._slots:
             if slot.state is SlotState.IDLE and slot.tokens:

@@ -100,3 +100,32 @@ def test_a_scope_evicted_while_its_state_is_parked_is_not_saved(harness):
     assert evicted == [0] and saves(engine) == [] and engine.cells.get(1, 0) == 0
     h.run()
     assert run_one(h, req("a2", toks(SYSTEM, user(1), user(3)))).stats.cached_tokens == 0
+
+
+def test_cells_forgotten_off_the_loop_thread_go_before_the_next_tick_not_during_a_decode(
+        harness):
+    import threading
+
+    engine = FakeEngine(n_seq_max=3)
+    h = harness(engine, park_seq=True)
+    run_one(h, req("a1", toks(SYSTEM, user(1)), scope="a"))  # slot 0 holds a's prefix
+    slot = next(s for s in h.scheduler.snapshot()["slots"] if s["id"] == 0)
+    assert slot["state"] == "idle" and engine.cells[0] == 81
+    removed_during_decode = []
+
+    def operator_evicts(rows):  # the control thread, while the loop thread decodes
+        before = dict(engine.cells)
+        t = threading.Thread(target=h.scheduler.evict_scope, args=("a",))
+        t.start()
+        t.join()
+        removed_during_decode.append(engine.cells != before)
+
+    engine.on_decode = operator_evicts
+    h.scheduler.submit(req("b1", toks(user(9), n=30), scope="b"))
+    h.step()
+    assert removed_during_decode == [False]  # no cell changed under the decode
+    engine.on_decode = None
+    h.run()  # the next tick removes them first
+    assert engine.cells.get(0, 0) == 0
+    again = run_one(h, req("a2", toks(SYSTEM, user(1), user(3)), scope="a"))
+    assert again.stats.cached_tokens == 0
