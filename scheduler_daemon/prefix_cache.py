@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .state import CacheEvent, RequestState, Slot, SlotState
@@ -68,7 +68,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class _Parked:
     """A slot's state waiting in the park sequence for its RAM save (``settle``)."""
 
@@ -185,14 +185,15 @@ class PrefixCache:
         """An operator evicted ``scope``: a parked state of it is freed, not saved. Only
         marked here (any thread, the lock held); the loop thread frees it in ``settle``."""
         if self._parked is not None and self._parked.scope == scope:
-            self._parked = replace(self._parked, forgotten=True)
+            self._parked.forgotten = True
 
     def settle(self) -> bool:
         """Save the parked state to RAM (if it still fits and is not covered by now), then
         empty the park. True when a state was parked (its cells are free now)."""
         parked, self._parked = self._parked, None
-        if parked is None or self.park_seq is None:
+        if parked is None:
             return False
+        assert self.park_seq is not None  # a state is parked only with a park
         try:
             if (self.ram is not None and not parked.forgotten
                     and not self.ram.covers(parked.scope, parked.tokens)):

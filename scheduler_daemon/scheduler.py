@@ -846,6 +846,8 @@ class Scheduler:
 
     def _apply_kv_forgets(self) -> None:
         """The cells of slots forgotten off the loop thread (lock held, loop thread)."""
+        if not self._kv_forgets:  # every tick: nearly always nothing to do
+            return
         forgets, self._kv_forgets = self._kv_forgets, []
         for seq_id in forgets:
             self.engine.kv_remove(seq_id, 0, -1)

@@ -4,6 +4,8 @@ engine's last sequence and saved after the tick's decode, or first under KV pres
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from scheduler_daemon.scheduler import Scheduler, SchedulerConfig
@@ -104,8 +106,6 @@ def test_a_scope_evicted_while_its_state_is_parked_is_not_saved(harness):
 
 def test_cells_forgotten_off_the_loop_thread_go_before_the_next_tick_not_during_a_decode(
         harness):
-    import threading
-
     engine = FakeEngine(n_seq_max=3)
     h = harness(engine, park_seq=True)
     run_one(h, req("a1", toks(SYSTEM, user(1)), scope="a"))  # slot 0 holds a's prefix
