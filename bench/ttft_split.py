@@ -6,6 +6,13 @@ The difference is everything outside the daemon: the client's request and parsin
 stream reader), the Redis hops both ways and the writer's flush of the first text. Our
 stack as ``make run`` starts it (service defaults, ``--supervise``), sequential streamed
 completions of distinct ~90-word prompts, max_tokens 8, greedy.
+With the request's events stream read back from Redis (each entry's id is the Redis clock
+in ms when the daemon's writer wrote it), the client's TTFT is also split in three, per
+request: *to accepted* (the client's send to the ``accepted`` entry: the client and daphne,
+the web's path before the enqueue, the enqueue, the daemon's intake and tokenizing),
+*prefill* (``accepted`` to the first ``token`` entry) and *delivery* (the first ``token``
+entry to the client's first text: the web's stream reader, the SSE frame, the client).
+Clocks: the client's ``time.time()`` and Redis's, one machine; ms resolution per request.
 Run:  .venv/bin/python bench/ttft_split.py [--requests 16]
 The last line printed is JSON.
 """
@@ -18,16 +25,48 @@ import json
 import statistics
 import time
 import urllib.request
+from datetime import datetime
 
 import openai
+import redis
 from _common import machine
 from http_overhead import Stack
 
 MODEL = "gemma-3-270m"
 
 
-async def measure(base: str, key: str, n: int) -> list[tuple[float, float | None]]:
+def _entry_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-")[0])
+
+
+def phases(r: redis.Redis, request_id: str, sent: float, first: float,
+           created: str | None) -> dict[str, float]:
+    """The request's TTFT split at its history row's ``created`` (the web's INSERT, after
+    the admission), its events stream's ``accepted`` and first ``token`` entries (unix ms):
+    to the row, the row to accepted, prefill, delivery."""
+    accepted = token = None
+    for entry_id, fields in r.xrange(f"llm:events:{request_id}"):
+        kind = fields.get(b"type")
+        if kind == b"accepted" and accepted is None:
+            accepted = _entry_ms(entry_id)
+        elif kind == b"token" and token is None:
+            token = _entry_ms(entry_id)
+    if accepted is None or token is None:
+        return {}
+    split = {"to_accepted": accepted - sent * 1000, "prefill": float(token - accepted),
+             "delivery": first * 1000 - token}
+    if created:
+        row_ms = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() * 1000
+        split.update(to_row=row_ms - sent * 1000, row_to_accepted=accepted - row_ms)
+    return split
+
+
+Row = tuple[float, float | None, dict[str, float]]  # client TTFT, daemon's, the split
+
+
+async def measure(base: str, key: str, n: int, redis_url: str) -> list[Row]:
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+    events = redis.Redis.from_url(redis_url)
     rows = []
     try:
         for i in range(n):
@@ -35,21 +74,27 @@ async def measure(base: str, key: str, n: int) -> list[tuple[float, float | None
                       "essay about this subject, its history, its people and what it means "
                       "to us today. " * 6)
             t0, first, request_id = time.perf_counter(), None, None
+            sent, first_at = time.time(), 0.0
             stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
                                                      temperature=0, stream=True)
             async for chunk in stream:
                 request_id = request_id or chunk.id.removeprefix("cmpl-")
                 if first is None and chunk.choices and chunk.choices[0].text:
                     first = (time.perf_counter() - t0) * 1000
+                    first_at = time.time()
             await asyncio.sleep(0.3)  # the daemon's history sink writes the row's end
             req = urllib.request.Request(f"{base}/v1/requests/{request_id}",
                                          headers={"Authorization": f"Bearer {key}"})
             with urllib.request.urlopen(req, timeout=10) as r:
-                daemon = json.loads(r.read()).get("ttft_ms")
-            rows.append((first, daemon))
-            print(f"client {first:.1f} ms, daemon {daemon} ms", flush=True)
+                row = json.loads(r.read())
+            daemon = row.get("ttft_ms")
+            split = phases(events, request_id, sent, first_at, row.get("created"))
+            rows.append((first, daemon, split))
+            print(f"client {first:.1f} ms, daemon {daemon} ms, "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in split.items()), flush=True)
     finally:
         await client.close()
+        events.close()
     return rows
 
 
@@ -61,16 +106,24 @@ def main() -> None:
     stack = Stack(args.redis_url, 4, 2, MODEL, defaults=True, supervise=True)
     key = stack.open()
     try:
-        rows = asyncio.run(measure(f"http://127.0.0.1:{stack.port}", key, args.requests))
+        rows = asyncio.run(measure(f"http://127.0.0.1:{stack.port}", key, args.requests,
+                                   args.redis_url))
     finally:
         stack.close()
-    rows = [(c, d) for c, d in rows[2:] if d is not None]  # the first two warm up
-    summary = {"client_p50_ms": statistics.median(c for c, _ in rows),
-               "daemon_p50_ms": statistics.median(d for _, d in rows),
-               "outside_p50_ms": statistics.median(c - d for c, d in rows)}
+    rows = [row for row in rows[2:] if row[1] is not None]  # the first two warm up
+    summary = {"client_p50_ms": statistics.median(c for c, _, _ in rows),
+               "daemon_p50_ms": statistics.median(d for _, d, _ in rows),
+               "outside_p50_ms": statistics.median(c - d for c, d, _ in rows)}
+    for phase in ("to_row", "row_to_accepted", "to_accepted", "prefill", "delivery"):
+        values = [split[phase] for _, _, split in rows if split]
+        if values:
+            summary[f"{phase}_p50_ms"] = statistics.median(values)
     print(f"machine: {machine()}")
     print("p50: client {client_p50_ms:.1f} ms, daemon {daemon_p50_ms:.1f} ms, outside the "
           "daemon {outside_p50_ms:.1f} ms".format(**summary))
+    print("p50 split: " + ", ".join(f"{k.removesuffix('_p50_ms')} {v:.1f} ms"
+                                   for k, v in summary.items()
+                                   if k.startswith(("to_", "row_", "prefill", "delivery"))))
     print(json.dumps({"bench": "ttft_split", "machine": machine(), **summary}))
 
 
