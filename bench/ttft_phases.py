@@ -1,0 +1,142 @@
+"""Where a conc-1 TTFT goes outside the prefill, step by step: wall-clock marks along the
+web's path (``phase_probe/web_probe.py``, loaded as daphne's application), along the daemon's
+(``phase_probe/sitecustomize.py``, on the daemon's PYTHONPATH) and at the events stream's
+entries (their ids are Redis's clock), for sequential streamed completions of distinct
+~90-word prompts (``ttft_split.measure``: max_tokens 8, greedy). The probes wrap this
+project's functions only; they cost a few microseconds per mark. One machine, one clock
+(``time.time()``); an events-stream entry has ms resolution (a step that starts or ends at
+one reads ~0.5 ms short or long). Our stack as ``make run`` starts it, probed.
+Run:  .venv/bin/python bench/ttft_phases.py [--requests 30]
+The last line printed is JSON (each step's p50 in ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ttft_split
+from _common import machine
+from http_overhead import ROOT, Stack, daphne_endpoint
+
+MODEL = "gemma-3-270m"
+PROBES = Path(__file__).resolve().parent / "phase_probe"
+# (from, to): each step of the path, in order; the client's marks are "sent" and "first"
+STEPS = [
+    ("sent", "app"), ("app", "view"), ("view", "admit_start"), ("admit_start", "admit_end"),
+    ("admit_end", "row_start"), ("row_start", "row_end"), ("row_end", "enqueue_start"),
+    ("enqueue_start", "enqueue_end"), ("enqueue_end", "bell"), ("bell", "take_start"),
+    ("take_start", "take_end"), ("take_end", "start"), ("start", "checks_end"),
+    ("checks_end", "core_start"), ("core_start", "core_end"), ("core_end", "planned"),
+    ("accepted_xadd", "accepted_read"), ("token_xadd", "token_read"),
+    ("token_read", "first_send"), ("first_send", "first_sent"), ("first_sent", "first"),
+]
+
+
+class ProbedStack(Stack):
+    """``Stack`` with daphne serving ``web_probe:application`` and the daemon probed."""
+
+    def __init__(self, redis_url: str, marks: Path) -> None:
+        super().__init__(redis_url, 4, 2, MODEL, defaults=True, supervise=True)
+        self.web_marks, self.daemon_marks = marks / "web.jsonl", marks / "daemon.jsonl"
+
+    def open(self) -> str:
+        manage = [sys.executable, "manage.py"]
+        self._run([*manage, "migrate", "-v", "0"])
+        self._run([*manage, "create_tenant", "bench"])
+        key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
+        log = (self.tmp / "log.txt").open("ab")
+        web_env = dict(self.env, PYTHONPATH=f"{PROBES}{os.pathsep}{ROOT}",
+                       PROBE_FILE=str(self.web_marks))
+        daemon_env = dict(self.env, PYTHONPATH=str(PROBES),
+                          PROBE_DAEMON_FILE=str(self.daemon_marks))
+        daphne = [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
+                  "web_probe:application"]
+        scheduler = [*manage, "run_scheduler", "--grace", "1", "--supervise"]
+        for argv, env in ((scheduler, daemon_env), (daphne, web_env)):
+            self.procs.append(subprocess.Popen(argv, cwd=self.root, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while not self._model_served():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.close(keep_logs=True)
+                raise RuntimeError(f"the service did not start; see {self.tmp / 'log.txt'}")
+            time.sleep(0.5)
+        return key
+
+
+def _entries(redis_url: str, request_id: str) -> dict[str, float]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        marks: dict[str, float] = {}
+        for entry_id, fields in client.xrange(f"llm:events:{request_id}"):
+            name = {b"accepted": "accepted_xadd", b"token": "token_xadd"}.get(fields[b"type"])
+            if name and name not in marks:
+                marks[name] = int(entry_id.split(b"-")[0]) / 1000
+        return marks
+    finally:
+        client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    args = parser.parse_args()
+    marks_dir = Path(tempfile.mkdtemp(prefix="ttft-phases-"))
+    stack = ProbedStack(args.redis_url, marks_dir)
+    client_marks: dict[str, dict[str, float]] = {}
+    measured = ttft_split.phases
+
+    def phases(r, request_id, sent, first, created):  # the client's marks, by request id
+        client_marks[request_id] = {"sent": sent, "first": first}
+        return measured(r, request_id, sent, first, created)
+
+    ttft_split.phases = phases
+    key = stack.open()
+    try:
+        rows = asyncio.run(ttft_split.measure(f"http://127.0.0.1:{stack.port}", key,
+                                              args.requests, args.redis_url))
+        marks = {rid: {**m, **_entries(args.redis_url, rid)} for rid, m in client_marks.items()}
+    finally:
+        stack.close()
+    for line in stack.web_marks.read_text().splitlines():
+        record = json.loads(line)
+        marks.get(record.pop("id"), {}).update(record)
+    by_entry: dict[str, str] = {}
+    daemon_lines = [json.loads(line) for line in stack.daemon_marks.read_text().splitlines()]
+    for record in daemon_lines:
+        if "eid" in record and "rid" in record:
+            by_entry[record["eid"]] = record["rid"]
+    for record in daemon_lines:
+        request_id = record.pop("rid", None) or by_entry.get(record.get("eid", ""))
+        record.pop("eid", None)
+        if request_id in marks:
+            marks[request_id].update(record)
+    warm = list(marks.values())[2:]  # the first two warm up
+    summary: dict[str, float] = {}
+    print(f"machine: {machine()}")
+    for a, b in STEPS:
+        values = [(m[b] - m[a]) * 1000 for m in warm if a in m and b in m]
+        if values:
+            summary[f"{a}->{b}"] = round(statistics.median(values), 2)
+            print(f"{a + ' -> ' + b:32s} p50 {summary[f'{a}->{b}']:6.2f} ms  (n={len(values)})")
+    client = statistics.median(c for c, _, _ in rows[2:])
+    daemon = statistics.median(d for _, d, _ in rows[2:] if d is not None)
+    print(f"p50: client {client:.1f} ms, daemon {daemon:.1f} ms")
+    print(json.dumps({"bench": "ttft_phases", "machine": machine(), "client_p50_ms": client,
+                      "daemon_p50_ms": daemon, "steps_p50_ms": summary}))
+
+
+if __name__ == "__main__":
+    main()
