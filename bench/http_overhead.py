@@ -195,6 +195,10 @@ class Stack:
                              "N_THREADS": str(threads), "CACHE_PROMPT": "false"})
         self.env.update(env or {})
         self.procs: list[subprocess.Popen] = []
+        # what daphne serves, and settings for one of the two processes only (a probe's)
+        self.application = "config.asgi:application"
+        self.web_env: dict[str, str] = {}
+        self.daemon_env: dict[str, str] = {}
 
     def open(self) -> str:
         """Start everything; return an API key."""
@@ -204,13 +208,13 @@ class Stack:
         key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
         log = (self.tmp / "log.txt").open("ab")
         daphne = [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
-                  "config.asgi:application"]  # as make run starts it
+                  self.application]  # as make run starts it
         scheduler = [*manage, "run_scheduler", "--grace", "1"]
         if self.supervise:
             scheduler.append("--supervise")
-        for argv in (scheduler, daphne):
+        for argv, env in ((scheduler, self.daemon_env), (daphne, self.web_env)):
             self.procs.append(
-                subprocess.Popen(argv, cwd=self.root, env=self.env, stdout=log,
+                subprocess.Popen(argv, cwd=self.root, env={**self.env, **env}, stdout=log,
                                  stderr=subprocess.STDOUT)
             )
         deadline = time.monotonic() + 180

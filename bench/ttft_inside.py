@@ -47,9 +47,7 @@ async def peer_round(url: str, salt: str) -> list[tuple[float, float]]:
     rows = []
     try:
         for i in range(PER_ROUND):
-            prompt = (f"Essay {salt}-{i} {time.time():.0f} about trains. " + "Write a long "
-                      "and detailed essay about this subject, its history, its people and "
-                      "what it means to us today. " * 6)
+            prompt = ttft_split.essay(f"{salt}-{i}")
             t0, first, timings = time.perf_counter(), None, None
             stream = await client.completions.create(model="gemma", prompt=prompt,
                                                      max_tokens=8, temperature=0, stream=True)

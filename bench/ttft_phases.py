@@ -17,15 +17,12 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ttft_split
 from _common import machine
-from http_overhead import ROOT, Stack, daphne_endpoint
+from http_overhead import ROOT, Stack
 
 MODEL = "gemma-3-270m"
 PROBES = Path(__file__).resolve().parent / "phase_probe"
@@ -47,30 +44,11 @@ class ProbedStack(Stack):
     def __init__(self, redis_url: str, marks: Path) -> None:
         super().__init__(redis_url, 4, 2, MODEL, defaults=True, supervise=True)
         self.web_marks, self.daemon_marks = marks / "web.jsonl", marks / "daemon.jsonl"
-
-    def open(self) -> str:
-        manage = [sys.executable, "manage.py"]
-        self._run([*manage, "migrate", "-v", "0"])
-        self._run([*manage, "create_tenant", "bench"])
-        key = self._run([*manage, "create_api_key", "bench"]).strip().splitlines()[-1]
-        log = (self.tmp / "log.txt").open("ab")
-        web_env = dict(self.env, PYTHONPATH=f"{PROBES}{os.pathsep}{ROOT}",
-                       PROBE_FILE=str(self.web_marks))
-        daemon_env = dict(self.env, PYTHONPATH=str(PROBES),
-                          PROBE_DAEMON_FILE=str(self.daemon_marks))
-        daphne = [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
-                  "web_probe:application"]
-        scheduler = [*manage, "run_scheduler", "--grace", "1", "--supervise"]
-        for argv, env in ((scheduler, daemon_env), (daphne, web_env)):
-            self.procs.append(subprocess.Popen(argv, cwd=self.root, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 180
-        while not self._model_served():
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.close(keep_logs=True)
-                raise RuntimeError(f"the service did not start; see {self.tmp / 'log.txt'}")
-            time.sleep(0.5)
-        return key
+        self.application = "web_probe:application"
+        self.web_env = {"PYTHONPATH": f"{PROBES}{os.pathsep}{ROOT}",
+                        "PROBE_FILE": str(self.web_marks)}
+        self.daemon_env = {"PYTHONPATH": str(PROBES),
+                           "PROBE_DAEMON_FILE": str(self.daemon_marks)}
 
 
 def _entries(redis_url: str, request_id: str) -> dict[str, float]:

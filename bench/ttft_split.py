@@ -35,6 +35,13 @@ from http_overhead import Stack
 MODEL = "gemma-3-270m"
 
 
+def essay(salt: str) -> str:
+    """A distinct ~90-word prompt (~157 Gemma tokens)."""
+    return (f"Essay {salt} {time.time():.0f} about trains. " + "Write a long and detailed "
+            "essay about this subject, its history, its people and what it means to us "
+            "today. " * 6)
+
+
 def _entry_ms(entry_id: bytes) -> int:
     return int(entry_id.split(b"-")[0])
 
@@ -70,9 +77,7 @@ async def measure(base: str, key: str, n: int, redis_url: str) -> list[Row]:
     rows = []
     try:
         for i in range(n):
-            prompt = (f"Essay {i} {time.time():.0f} about trains. " + "Write a long and detailed "
-                      "essay about this subject, its history, its people and what it means "
-                      "to us today. " * 6)
+            prompt = essay(str(i))
             t0, first, request_id = time.perf_counter(), None, None
             sent, first_at = time.time(), 0.0
             stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
