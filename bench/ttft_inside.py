@@ -34,13 +34,6 @@ from vs_llama_server import LlamaServer
 PER_ROUND = 10
 
 
-def _done_timings(r, request_id: str) -> dict:
-    for _, fields in r.xrange(f"llm:events:{request_id}"):
-        if fields[b"type"] == b"done":
-            return json.loads(fields[b"data"])["timings"]
-    return {}
-
-
 async def peer_round(url: str, salt: str) -> list[tuple[float, float]]:
     """(client TTFT, prompt_ms) per request, llama-server."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -69,15 +62,6 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
-    queue: dict[str, float] = {}
-    measured = ttft_split.phases
-
-    def phases(r, request_id, sent, first, created):  # + the done event's timings
-        timings = _done_timings(r, request_id)
-        queue[request_id] = timings.get("queue_ms")
-        return measured(r, request_id, sent, first, created)
-
-    ttft_split.phases = phases
     peer = LlamaServer(build(log=lambda line: None), args.threads)
     ours = Stack(args.redis_url, 4, args.threads, "gemma-3-270m", defaults=True,
                  env=dict(item.split("=", 1) for item in args.env), supervise=True)
@@ -97,12 +81,12 @@ def main() -> None:
                 if name == "peer":
                     got[name] = asyncio.run(peer_round(side.url, f"r{r}"))
                 else:
-                    before = set(queue)
-                    rows = asyncio.run(ttft_split.measure(base, key, PER_ROUND,
-                                                          args.redis_url))
-                    waits = [queue[k] for k in queue if k not in before and queue[k] is not None]
-                    got[name] = [(c, d) for c, d, _ in rows if d is not None]
-                    got["queue"] = waits
+                    samples = asyncio.run(ttft_split.measure(base, key, PER_ROUND,
+                                                             args.redis_url))
+                    got[name] = [(s.client_ms, s.daemon_ms) for s in samples
+                                 if s.daemon_ms is not None]
+                    got["queue"] = [s.timings["queue_ms"] for s in samples
+                                    if s.timings.get("queue_ms") is not None]
             peer_rows, our_rows = got["peer"], got["ours"]
             q = statistics.median(got["queue"])
             row = {

@@ -51,21 +51,6 @@ class ProbedStack(Stack):
                            "PROBE_DAEMON_FILE": str(self.daemon_marks)}
 
 
-def _entries(redis_url: str, request_id: str) -> dict[str, float]:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        marks: dict[str, float] = {}
-        for entry_id, fields in client.xrange(f"llm:events:{request_id}"):
-            name = {b"accepted": "accepted_xadd", b"token": "token_xadd"}.get(fields[b"type"])
-            if name and name not in marks:
-                marks[name] = int(entry_id.split(b"-")[0]) / 1000
-        return marks
-    finally:
-        client.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30)
@@ -73,21 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     marks_dir = Path(tempfile.mkdtemp(prefix="ttft-phases-"))
     stack = ProbedStack(args.redis_url, marks_dir)
-    client_marks: dict[str, dict[str, float]] = {}
-    measured = ttft_split.phases
-
-    def phases(r, request_id, sent, first, created):  # the client's marks, by request id
-        client_marks[request_id] = {"sent": sent, "first": first}
-        return measured(r, request_id, sent, first, created)
-
-    ttft_split.phases = phases
     key = stack.open()
     try:
-        rows = asyncio.run(ttft_split.measure(f"http://127.0.0.1:{stack.port}", key,
-                                              args.requests, args.redis_url))
-        marks = {rid: {**m, **_entries(args.redis_url, rid)} for rid, m in client_marks.items()}
+        samples = asyncio.run(ttft_split.measure(f"http://127.0.0.1:{stack.port}", key,
+                                                 args.requests, args.redis_url))
     finally:
         stack.close()
+    marks = {s.request_id: {"sent": s.sent, "first": s.first_at,
+                            **{f"{kind}_xadd": t for kind, t in s.entries.items()}}
+             for s in samples}
     for line in stack.web_marks.read_text().splitlines():
         record = json.loads(line)
         marks.get(record.pop("id"), {}).update(record)
@@ -109,8 +88,8 @@ def main() -> None:
         if values:
             summary[f"{a}->{b}"] = round(statistics.median(values), 2)
             print(f"{a + ' -> ' + b:32s} p50 {summary[f'{a}->{b}']:6.2f} ms  (n={len(values)})")
-    client = statistics.median(c for c, _, _ in rows[2:])
-    daemon = statistics.median(d for _, d, _ in rows[2:] if d is not None)
+    client = statistics.median(s.client_ms for s in samples[2:])
+    daemon = statistics.median(s.daemon_ms for s in samples[2:] if s.daemon_ms is not None)
     print(f"p50: client {client:.1f} ms, daemon {daemon:.1f} ms")
     print(json.dumps({"bench": "ttft_phases", "machine": machine(), "client_p50_ms": client,
                       "daemon_p50_ms": daemon, "steps_p50_ms": summary}))

@@ -25,7 +25,9 @@ import json
 import statistics
 import time
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import openai
 import redis
@@ -42,25 +44,43 @@ def essay(salt: str) -> str:
             "today. " * 6)
 
 
-def _entry_ms(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-")[0])
+@dataclass(slots=True)
+class Sample:
+    """One request as the client and the events stream saw it (times: unix seconds)."""
+
+    request_id: str
+    client_ms: float  # the client's TTFT
+    daemon_ms: float | None  # the daemon's own ``ttft_ms`` (its history row)
+    sent: float
+    first_at: float  # the client's first text
+    entries: dict[str, float]  # the first ``accepted`` and ``token`` entries (ms resolution)
+    timings: dict[str, Any]  # the ``done`` event's
+    split: dict[str, float]  # ``phases``, ms
 
 
-def phases(r: redis.Redis, request_id: str, sent: float, first: float,
+def read_stream(r: redis.Redis, request_id: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """The request's first ``accepted`` and ``token`` entries' times (an entry id is Redis's
+    clock in ms) and its ``done`` event's timings."""
+    entries: dict[str, float] = {}
+    timings: dict[str, Any] = {}
+    for entry_id, fields in r.xrange(f"llm:events:{request_id}"):
+        kind = fields.get(b"type", b"").decode()
+        if kind in ("accepted", "token") and kind not in entries:
+            entries[kind] = int(entry_id.split(b"-")[0]) / 1000
+        elif kind == "done":
+            timings = json.loads(fields[b"data"]).get("timings") or {}
+    return entries, timings
+
+
+def phases(entries: dict[str, float], sent: float, first: float,
            created: str | None) -> dict[str, float]:
     """The request's TTFT split at its history row's ``created`` (the web's INSERT, after
-    the admission), its events stream's ``accepted`` and first ``token`` entries (unix ms):
+    the admission), its events stream's ``accepted`` and first ``token`` entries (ms):
     to the row, the row to accepted, prefill, delivery."""
-    accepted = token = None
-    for entry_id, fields in r.xrange(f"llm:events:{request_id}"):
-        kind = fields.get(b"type")
-        if kind == b"accepted" and accepted is None:
-            accepted = _entry_ms(entry_id)
-        elif kind == b"token" and token is None:
-            token = _entry_ms(entry_id)
-    if accepted is None or token is None:
+    if "accepted" not in entries or "token" not in entries:
         return {}
-    split = {"to_accepted": accepted - sent * 1000, "prefill": float(token - accepted),
+    accepted, token = entries["accepted"] * 1000, entries["token"] * 1000
+    split = {"to_accepted": accepted - sent * 1000, "prefill": token - accepted,
              "delivery": first * 1000 - token}
     if created:
         row_ms = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() * 1000
@@ -68,13 +88,10 @@ def phases(r: redis.Redis, request_id: str, sent: float, first: float,
     return split
 
 
-Row = tuple[float, float | None, dict[str, float]]  # client TTFT, daemon's, the split
-
-
-async def measure(base: str, key: str, n: int, redis_url: str) -> list[Row]:
+async def measure(base: str, key: str, n: int, redis_url: str) -> list[Sample]:
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
     events = redis.Redis.from_url(redis_url)
-    rows = []
+    samples = []
     try:
         for i in range(n):
             prompt = essay(str(i))
@@ -90,17 +107,18 @@ async def measure(base: str, key: str, n: int, redis_url: str) -> list[Row]:
             await asyncio.sleep(0.3)  # the daemon's history sink writes the row's end
             req = urllib.request.Request(f"{base}/v1/requests/{request_id}",
                                          headers={"Authorization": f"Bearer {key}"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                row = json.loads(r.read())
-            daemon = row.get("ttft_ms")
-            split = phases(events, request_id, sent, first_at, row.get("created"))
-            rows.append((first, daemon, split))
-            print(f"client {first:.1f} ms, daemon {daemon} ms, "
+            with urllib.request.urlopen(req, timeout=10) as reply:
+                row = json.loads(reply.read())
+            entries, timings = read_stream(events, request_id)
+            split = phases(entries, sent, first_at, row.get("created"))
+            samples.append(Sample(request_id, first, row.get("ttft_ms"), sent, first_at,
+                                  entries, timings, split))
+            print(f"client {first:.1f} ms, daemon {row.get('ttft_ms')} ms, "
                   + ", ".join(f"{k} {v:.0f}" for k, v in split.items()), flush=True)
     finally:
         await client.close()
         events.close()
-    return rows
+    return samples
 
 
 def main() -> None:
@@ -115,12 +133,12 @@ def main() -> None:
                                    args.redis_url))
     finally:
         stack.close()
-    rows = [row for row in rows[2:] if row[1] is not None]  # the first two warm up
-    summary = {"client_p50_ms": statistics.median(c for c, _, _ in rows),
-               "daemon_p50_ms": statistics.median(d for _, d, _ in rows),
-               "outside_p50_ms": statistics.median(c - d for c, d, _ in rows)}
+    rows = [s for s in rows[2:] if s.daemon_ms is not None]  # the first two warm up
+    summary = {"client_p50_ms": statistics.median(s.client_ms for s in rows),
+               "daemon_p50_ms": statistics.median(s.daemon_ms for s in rows),
+               "outside_p50_ms": statistics.median(s.client_ms - s.daemon_ms for s in rows)}
     for phase in ("to_row", "row_to_accepted", "to_accepted", "prefill", "delivery"):
-        values = [split[phase] for _, _, split in rows if split]
+        values = [s.split[phase] for s in rows if s.split]
         if values:
             summary[f"{phase}_p50_ms"] = statistics.median(values)
     print(f"machine: {machine()}")
