@@ -1,8 +1,9 @@
 """The daemon's probe for bench/ttft_phases.py (on PYTHONPATH of the daemon it starts, never
 of the service): when ``$PROBE_DAEMON_FILE`` is set, the intake's and the scheduler's steps
 are wrapped as their modules are imported, and each step's wall-clock time is written as a
-JSON line (by jobs-stream entry or request id). Only this project's own classes are
-wrapped."""
+JSON line (by jobs-stream entry or request id). When ``$PROBE_STEAL_FILE`` is set (for
+bench/prefill_steal.py), each tick that admits a request is wrapped: what every other task
+ran meanwhile. Only this project's own classes are wrapped."""
 from __future__ import annotations
 
 import importlib.abc
@@ -13,6 +14,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+_PROBES: dict[str, list[Any]] = {}  # module name -> what wraps it once it is imported
 
 if os.environ.get("PROBE_DAEMON_FILE"):
     _out = open(os.environ["PROBE_DAEMON_FILE"], "a", buffering=1)  # noqa: SIM115
@@ -75,29 +78,121 @@ if os.environ.get("PROBE_DAEMON_FILE"):
 
         module.Scheduler.schedule = probed_schedule
 
-    class _Finder(importlib.abc.MetaPathFinder):
-        probes = {"scheduler_daemon.intake": _probe_intake,
-                  "scheduler_daemon.scheduler": _probe_scheduler}
+    _PROBES.setdefault("scheduler_daemon.intake", []).append(_probe_intake)
+    _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_scheduler)
 
-        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-            if name not in self.probes:
-                return None
-            sys.meta_path.remove(self)
+if os.environ.get("PROBE_STEAL_FILE"):
+    # Around each tick that admits a request (its prefill): every task's time on a CPU and
+    # time runnable but waiting for one (``/proc/<pid>/task/<tid>/schedstat``, ns) in the
+    # daemon, its supervisor, daphne, redis-server and the client, by component. Read
+    # before and after the tick (not during it: the reads delay the prefill, not load it).
+    _steal_out = open(os.environ["PROBE_STEAL_FILE"], "a", buffering=1)  # noqa: SIM115
+    _pids: dict[str, list[int]] = {}
+
+    def _find(marker: bytes) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if marker in f.read():
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        return found
+
+    def _processes() -> dict[str, list[int]]:
+        if not _pids:
+            web = os.environ.get("PROBE_WEB_MARKER", "daphne").encode()  # its port
+            _pids.update(web=_find(web), redis=_find(b"redis-server"),
+                         supervisor=[os.getppid()],
+                         client=[int(os.environ.get("PROBE_CLIENT_PID") or 0)])
+        return _pids
+
+    def _sched() -> dict[tuple[int, int], tuple[int, int]]:
+        out = {}
+        for pid in [os.getpid()] + [p for pids in _processes().values() for p in pids]:
             try:
-                spec = importlib.util.find_spec(name)
-            finally:
-                sys.meta_path.insert(0, self)
-            inner, probe = spec.loader, self.probes[name]
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        run_ns, wait_ns, _ = f.read().split()
+                except (OSError, ValueError):
+                    continue
+                out[(pid, int(tid))] = (int(run_ns), int(wait_ns))
+        return out
 
-            class Loader(importlib.abc.Loader):
-                def create_module(self, spec: Any) -> Any:
-                    return inner.create_module(spec)
+    def _machine() -> tuple[int, int]:
+        """The machine's busy and steal time so far (``/proc/stat``, ms; 10 ms ticks)."""
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...
+        return (sum(fields[:3]) + sum(fields[5:8])) * 10, fields[7] * 10
 
-                def exec_module(self, module: Any) -> None:
-                    inner.exec_module(module)
+    def _component(pid: int, tid: int, loop_tid: int, names: dict[int, str]) -> str:
+        if pid == os.getpid():
+            if tid == loop_tid:
+                return "engine:loop"
+            return f"daemon:{names[tid]}" if tid in names else "engine:native"
+        return next((name for name, pids in _processes().items() if pid in pids), "other")
+
+    def _probe_steal(module: Any) -> None:
+        run = module.Scheduler.run
+
+        def probed_run(self: Any, plan: Any) -> Any:
+            if not plan.admitted:
+                return run(self, plan)
+            before, busy0, t0 = _sched(), _machine(), time.monotonic()
+            result = run(self, plan)
+            wall, busy1, after = time.monotonic() - t0, _machine(), _sched()
+            loop_tid = threading.get_native_id()
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            run_ms: dict[str, float] = {}
+            wait_ms: dict[str, float] = {}
+            for key, (r1, w1) in after.items():
+                r0, w0 = before.get(key, (0, 0))
+                name = _component(*key, loop_tid, names)
+                run_ms[name] = run_ms.get(name, 0.0) + (r1 - r0) / 1e6
+                wait_ms[name] = wait_ms.get(name, 0.0) + (w1 - w0) / 1e6
+            _steal_out.write(json.dumps({
+                "rids": list(plan.admitted), "n_tokens": plan.n_tokens,
+                "wall_ms": wall * 1000, "run_ms": run_ms, "wait_ms": wait_ms,
+                "machine_busy_ms": busy1[0] - busy0[0], "steal_ms": busy1[1] - busy0[1]}) + "\n")
+            return result
+
+        module.Scheduler.run = probed_run
+
+    _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_steal)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs the module's probes right after the module itself."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _PROBES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        inner, probes = spec.loader, _PROBES[name]
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return inner.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                inner.exec_module(module)
+                for probe in probes:
                     probe(module)
 
-            spec.loader = Loader()
-            return spec
+        spec.loader = Loader()
+        return spec
 
+
+if _PROBES:
     sys.meta_path.insert(0, _Finder())
