@@ -42,11 +42,15 @@ def pin() -> str:
                 if line.startswith("llama-cpp-python=="))
 
 
-def build(log=print) -> Path:
-    """The cached llama-server binary, built first if needed (~10 min on 2 cores)."""
+def build(log=print, shared: bool = False) -> Path:
+    """The cached llama-server binary, built first if needed (~10 min on 2 cores).
+    ``shared``: llama.cpp's libraries as shared objects (position-independent code, as the
+    llama-cpp-python wheel builds them) beside the binary, found through its RUNPATH or
+    ``LD_LIBRARY_PATH`` set to its folder (bench/peer_build_ab.py)."""
     dev = _dev()
     flags = dev.llama_cmake_args()
-    key = hashlib.sha256(f"{pin()}|{flags}|{os.uname().machine}".encode()).hexdigest()[:16]
+    key = f"{pin()}|{flags}|{os.uname().machine}" + ("|shared" if shared else "")
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     binary = CACHE / key / "llama-server"
     if binary.exists():
         return binary
@@ -61,11 +65,14 @@ def build(log=print) -> Path:
         build_dir = src / "build"
         subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir),
                         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON",
+                        f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}",
                         *flags.split()], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server",
                         "-j", str(os.cpu_count() or 2)], check=True)
         binary.parent.mkdir(parents=True, exist_ok=True)
+        for lib in (build_dir / "bin").glob("*.so*") if shared else ():
+            shutil.copy2(lib, binary.parent / lib.name, follow_symlinks=True)
         shutil.copy2(build_dir / "bin" / "llama-server", binary.with_suffix(".tmp"))
         binary.with_suffix(".tmp").rename(binary)
     log(f"llama-server cached at {binary}")
@@ -73,4 +80,4 @@ def build(log=print) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(log=lambda line: print(line, file=sys.stderr)))
+    print(build(log=lambda line: print(line, file=sys.stderr), shared="--shared" in sys.argv))

@@ -4,8 +4,9 @@ On a 2-core box llama.cpp's two threads (the loop thread and its OpenMP worker) 
 cores during a prefill; any other task that runs then takes a core from one of them, and
 the other waits at the next barrier. The daemon's probe (``phase_probe/sitecustomize.py``,
 ``$PROBE_STEAL_FILE``) reads every task's ``/proc/<pid>/task/<tid>/schedstat`` (ns on a
-CPU, ns runnable but waiting for one) before and after each tick that admits a request:
-the daemon's threads by name, the engine's (``engine:loop``, ``engine:native``: the OpenMP
+CPU, ns runnable but waiting for one) before and after the decode of each tick that admits
+a request (its prefill; the tick's commit, which sends the first token, is outside): the
+daemon's threads by name, the engine's (``engine:loop``, ``engine:native``: the OpenMP
 worker), the supervisor, daphne (``web``), redis-server and this client, and the machine's
 busy and steal time (``/proc/stat``, 10 ms ticks). Per component the mean CPU ms during a
 prefill tick; the engine's wait ms is the time its threads were ready but off a CPU.

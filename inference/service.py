@@ -57,16 +57,13 @@ class Queued:
 
 @dataclass(frozen=True, slots=True)
 class Submission:
-    """A request the daemon answered: ``first`` is its ``accepted`` (or a terminal event);
-    ``early``, the events read with it (the daemon writes a request's ``accepted`` with its
-    first text: one read, not two)."""
+    """A request the daemon answered: ``first`` is its ``accepted`` (or a terminal event)."""
 
     request_id: str
     kind: str
     model: str
     created: int
     first: StreamEvent
-    early: tuple[StreamEvent, ...] = ()
 
 
 async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
@@ -198,44 +195,36 @@ async def answer(queued: Queued) -> Submission:
     # the key the enqueue wrote still has most of its grace to live: no second write
     written = bool(queued.watched_at) and time.monotonic() - queued.watched_at < watch.renew_s()
     async with CancelIfAbandoned(queued.request_id, watch_written=written):
-        first, *early = await _wait_first(queued.request_id, queued.model, queued.deadline)
+        first = await _wait_first(queued.request_id, queued.model, queued.deadline)
     if first.kind == protocol.ERROR:
         metrics.observe_end(first.data, first.kind)
         raise ApiError.from_event(first.data)
-    if first.is_terminal:
-        early = []
-    for i, event in enumerate(early):
-        if event.is_terminal:
-            early = early[:i + 1]
-            break
-    return Submission(queued.request_id, queued.kind, queued.model, queued.created, first,
-                      tuple(early))
+    return Submission(queued.request_id, queued.kind, queued.model, queued.created, first)
 
 
-async def _wait_first(request_id: str, model: str,
-                      deadline: float | None) -> list[StreamEvent]:
+async def _wait_first(request_id: str, model: str, deadline: float | None) -> StreamEvent:
     with broker.reader(request_id) as follower:
         return await _wait_first_read(request_id, model, follower, deadline)
 
 
 async def _wait_first_read(request_id: str, model: str, follower: broker.Follower,
-                           deadline: float | None = None) -> list[StreamEvent]:
-    """The request's first events: its first one and what was read with it. The job waits
-    in the model's queue in Redis until a daemon has room for it (a fleet of them:
-    wire/queue.py), so waiting is no failure while a live daemon of the model takes jobs;
-    up to the job's ``deadline`` (unix s; then 504 ``timeout``, and it is cancelled: no
-    daemon runs it later). A daemon that dies or restarts meanwhile leaves it there for the
-    next one: no live daemon is a wait of RECOVERY_TIMEOUT_S, and live daemons that take no
-    jobs (drained) a wait of ACCEPT_TIMEOUT_S, then 503 ``scheduler_unavailable``."""
+                           deadline: float | None = None) -> StreamEvent:
+    """The job waits in the model's queue in Redis until a daemon has room for it (a fleet
+    of them: wire/queue.py), so waiting is no failure while a live daemon of the model takes
+    jobs; up to the job's ``deadline`` (unix s; then 504 ``timeout``, and it is cancelled:
+    no daemon runs it later). A daemon that dies or restarts meanwhile leaves it there for
+    the next one: no live daemon is a wait of RECOVERY_TIMEOUT_S, and live daemons that
+    take no jobs (drained) a wait of ACCEPT_TIMEOUT_S, then 503 ``scheduler_unavailable``."""
     now = time.monotonic()
     stalled_at = now + settings.ACCEPT_TIMEOUT_S  # pushed on while a daemon takes jobs
     ends_at = (now + max(0.0, deadline - time.time()) + BACKSTOP_MARGIN_S
                if deadline is not None else None)
     none_since: float | None = None  # when no live daemon served the model any more
     while True:
-        events = await broker.read_events(request_id, "0-0", BLOCK_MS, follower=follower)
+        events = await broker.read_events(request_id, "0-0", BLOCK_MS, count=1,
+                                          follower=follower)
         if events:
-            return events
+            return events[0]
         now = time.monotonic()
         live, taking = await broker.taking_models()
         if model in live:
@@ -290,18 +279,8 @@ async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
         return
     daemon_id = submission.first.data.get("daemon_id")
     assert submission.first.entry_id is not None
-    after = submission.first.entry_id
-    for event in submission.early:  # read with the first: as ``_follow`` hands them out
-        after = event.entry_id or after
-        if event.kind == protocol.ACCEPTED:
-            daemon_id = event.data.get("daemon_id")
-            if event.data.get("resumed"):
-                continue
-        yield event
-        if event.is_terminal:
-            metrics.observe_end(event.data, event.kind)
-            return
-    rest = follow(submission.request_id, after, submission.model, daemon_id, resuming=False)
+    rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id,
+                  resuming=False)
     async with aclosing(rest):
         async for event in rest:
             if event is not None and event.is_terminal:

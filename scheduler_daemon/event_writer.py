@@ -1,13 +1,9 @@
 """Events out: a buffer the scheduler fills, one Redis pipeline per flush, the request log.
 
 The scheduler thread hands every event to ``on_event`` (with its lock held: buffering
-only). The writer thread flushes when something is due: a request's first text and its end
-at once, later tokens ``stream_interval_s`` after the previous write (consecutive tokens of
-a request become one ``token`` event, ``n_tokens`` says how many). A request's ``accepted``
-waits for its first text (one flush, one read in the web), at most ``ACCEPTED_HOLD_S``, or
-goes out with any flush due before: written at once, it set the web and this writer to work
-(the response's start, the row's UPDATE) on the cores the request's prefill was decoding on
-(bench/prefill_steal.py).
+only). The writer thread flushes when something is due: a request's ``accepted``, its
+first text and its end at once, later tokens ``stream_interval_s`` after the previous write
+(consecutive tokens of a request become one ``token`` event, ``n_tokens`` says how many).
 One flush writes everything buffered in one pipeline: the events, the stream TTLs (each
 request's retention after its last event), the XACK and XDEL of finished jobs (no prompt
 text stays in Redis) and the removal of their running record and owner, and each finished
@@ -39,11 +35,6 @@ from .state import Event, FinishedEvent, TokenEvent
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request
 
-# An ``accepted`` waits at most this long for its request's first text. A prefill longer
-# than this (a long prompt) has it written meanwhile: the web, which waits for a request's
-# first event up to ACCEPT_TIMEOUT_S, learns which daemon runs it.
-ACCEPTED_HOLD_S = 1.0
-
 
 @dataclass(slots=True)
 class Outgoing:
@@ -63,9 +54,6 @@ class _Buffer:
     items: list[Outgoing] = field(default_factory=list)
     held: dict[str, list[Outgoing]] = field(default_factory=dict)
     urgent: bool = False  # holds an event that must not wait for the stream interval
-    # requests whose ``accepted`` (and what followed it) waits for their first text: when
-    # it is due at the latest (monotonic)
-    waiting: dict[str, float] = field(default_factory=dict)
 
 
 class EventWriter:
@@ -79,18 +67,15 @@ class EventWriter:
         lifecycle: Lifecycle,
         history: HistorySink | None = None,
         stream_interval_s: float = 0.0,
-        accepted_hold_s: float = ACCEPTED_HOLD_S,
     ) -> None:
         """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
-        most this often, several to one event. 0: every tick's tokens at the end of the tick.
-        ``accepted_hold_s``: how long an ``accepted`` may wait for its request's first text."""
+        most this often, several to one event. 0: every tick's tokens at the end of the tick."""
         self.redis = client
         self.model = model
         self.daemon_id = daemon_id
         self.lifecycle = lifecycle
         self.history: HistorySink = history or NoHistory()
         self.stream_interval_s = stream_interval_s
-        self.accepted_hold_s = accepted_hold_s
         self.jobs_stream = protocol.jobs_stream(model)
         self.load_key = queue.load_key(model)
         self.running_key = protocol.running_key(daemon_id)
@@ -154,13 +139,8 @@ class EventWriter:
                 self._entries[request_id] = entry_id
             self._buffer.items.append(Outgoing(request_id, protocol.ACCEPTED, data))
             self._buffer.items.extend(held)
-            if ended or any(item.data.get("text") for item in held):
-                if not ended:
-                    self._streaming.add(request_id)
-                self._buffer.urgent = True  # its first text (or its end) came meanwhile
-                self._cond.notify()
-            else:
-                self._buffer.waiting[request_id] = time.monotonic() + self.accepted_hold_s
+            self._buffer.urgent = True
+            self._cond.notify()
 
     def terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
         """Queue the end of a request the core never ran (a refusal, a recovery's verdict,
@@ -196,7 +176,6 @@ class EventWriter:
             if item.kind == protocol.TOKEN and event.request_id not in self._streaming:
                 if item.data["text"]:  # the first text (TTFT) does not wait
                     self._streaming.add(event.request_id)
-                    self._buffer.waiting.pop(event.request_id, None)
                     self._buffer.urgent = True
             if item.kind in protocol.TERMINAL:
                 self._streaming.discard(event.request_id)
@@ -257,25 +236,17 @@ class EventWriter:
     def _flush_wait_s(self) -> float | None:
         """How long buffered events may still wait (0: now); None when nothing is buffered.
         Called with the condition held."""
-        buffer = self._buffer
-        if not buffer.items:
+        if not self._buffer.items:
             return None
-        if buffer.urgent:
+        if self._buffer.urgent:
             return 0.0
-        now = time.monotonic()
-        if not buffer.waiting:
-            return max(0.0, self._next_due - now)
-        wait = max(0.0, min(buffer.waiting.values()) - now)
-        if any(item.request_id not in buffer.waiting for item in buffer.items):
-            wait = min(wait, max(0.0, self._next_due - now))  # others' tokens: the grid
-        return wait
+        return max(0.0, self._next_due - time.monotonic())
 
     def flush(self) -> None:
         """Write everything buffered in one round trip (see the module docstring)."""
         with self._cond:
             items, self._buffer.items = self._buffer.items, []
             self._buffer.urgent = False
-            self._buffer.waiting.clear()  # every held ``accepted`` goes with this flush
             if items:
                 self._next_due = next_slot(self._next_due, time.monotonic(),
                                            self.stream_interval_s)

@@ -135,50 +135,6 @@ async def test_follow_from_a_finished_point_returns_at_once(r, request_id):
     assert await asyncio.wait_for(_collect(service.follow(request_id, done, "m")), 30) == []
 
 
-def _queued(request_id: str, model: str) -> service.Queued:
-    return service.Queued(request_id, "completion", model, int(time.time()))
-
-
-async def test_events_read_with_the_first_are_handed_out_once_in_order(r, request_id):
-    """The daemon writes ``accepted`` with the first text: the web's one read gets both, and
-    the stream goes on after them, each event once."""
-    standin = StandIn().start()
-    job = protocol.Job(id=request_id, kind="completion", model=standin.model, tenant_id="1",
-                       cache_scope="1", prompt="hi")
-    try:
-        standin.accept(job)
-        standin.emit(request_id, "token", {"text": "Hel", "n_tokens": 1})
-        submission = await service.answer(_queued(request_id, standin.model))
-        assert submission.first.kind == "accepted"
-        assert [e.data["text"] for e in submission.early] == ["Hel"]
-        standin.emit(request_id, "token", {"text": "lo", "n_tokens": 1})
-        standin.finish(job)
-        seen = [e for e in await asyncio.wait_for(_collect(service.events(submission)), 30) if e]
-    finally:
-        standin.stop()
-    assert [(e.kind, e.data.get("text")) for e in seen] == [
-        ("accepted", None), ("token", "Hel"), ("token", "lo"), ("done", None)]
-
-
-async def test_an_end_read_with_the_first_ends_the_stream_without_another_read(
-        r, request_id, monkeypatch):
-    standin = StandIn()
-    job = protocol.Job(id=request_id, kind="completion", model="m", tenant_id="1",
-                       cache_scope="1", prompt="hi")
-    standin.accept(job)
-    standin.emit(request_id, "token", {"text": "Hi", "n_tokens": 1})
-    standin.finish(job)
-    standin.emit(request_id, "token", {"text": "after the end", "n_tokens": 1})  # a rogue entry
-    submission = await service.answer(_queued(request_id, "m"))
-
-    def no_follow(*args, **kwargs):
-        raise AssertionError("followed the stream after its end")
-
-    monkeypatch.setattr(service, "follow", no_follow)
-    seen = [e for e in await asyncio.wait_for(_collect(service.events(submission)), 30) if e]
-    assert [e.kind for e in seen] == ["accepted", "token", "done"]
-
-
 async def test_cancel_if_abandoned_at_once_publishes_when_the_reader_is_cancelled(r, request_id):
     async def reader() -> None:  # (without at_once: the resume grace, tests/test_watch.py)
         async with service.CancelIfAbandoned(request_id, at_once=True):

@@ -1,7 +1,6 @@
 """The daemon's event writer against a real Redis, with no model: nothing buffered is lost
 when a write fails, and a request's job entry is acknowledged with its end, whenever it ends."""
 
-import threading
 import time
 import uuid
 
@@ -9,7 +8,7 @@ import pytest
 import redis
 
 from scheduler_daemon.event_writer import EventWriter, next_slot
-from scheduler_daemon.lifecycle import Lifecycle, State
+from scheduler_daemon.lifecycle import Lifecycle
 from scheduler_daemon.state import FinishedEvent, RequestStats, TokenEvent
 from tests.live_service import redis_conn
 from wire import protocol
@@ -153,91 +152,3 @@ def test_the_writer_flushes_streamed_tokens_on_the_grid():
     writer._next_due = next_slot(slot, time.monotonic(), 1.0)
     writer.on_event(TokenEvent(request_id, "b", 1, (2,)))
     assert 0.5 < writer._flush_wait_s() <= 0.7  # due a second after the slot, not the flush
-
-
-class RunningWriter:
-    """An ``EventWriter`` with its thread running, stopped on exit."""
-
-    def __init__(self, **kwargs) -> None:
-        self.redis = redis_conn()
-        self.lifecycle = Lifecycle()
-        self.writer = EventWriter(self.redis, f"m-{uuid.uuid4().hex[:6]}", "test-daemon",
-                                  self.lifecycle, **kwargs)
-        self.streams: list[str] = []
-
-    def __enter__(self) -> "RunningWriter":
-        self.thread = threading.Thread(target=self.writer.run, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.lifecycle.move(State.DRAINING)
-        self.lifecycle.move(State.STOPPING)
-        with self.writer._cond:
-            self.writer._cond.notify()
-        self.thread.join(timeout=10)
-        if self.streams:
-            self.redis.delete(*self.streams)
-
-    def started(self) -> str:
-        """A request held, then accepted (as the intake starts one)."""
-        request_id = uuid.uuid4().hex
-        self.streams.append(protocol.events_stream(request_id))
-        self.writer.track(request_id, "tenant")
-        self.writer.hold(request_id)
-        self.writer.accepted(request_id, "0-1", prompt_tokens=4)
-        return request_id
-
-    def kinds(self, request_id: str) -> list[str]:
-        return [protocol.decode_event(f)[0]
-                for _, f in self.redis.xrange(protocol.events_stream(request_id))]
-
-    def wait_for(self, request_id: str, n: int) -> list[str]:
-        deadline = time.monotonic() + 10  # a bound on a hang, not a timing
-        while len(self.kinds(request_id)) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.kinds(request_id)
-
-
-def test_accepted_waits_for_the_first_text_and_goes_out_with_it():
-    """Written at once, ``accepted`` set the web and the writer to work while the prefill
-    decoded on the same cores (bench/prefill_steal.py); it waits for the first text."""
-    with RunningWriter(accepted_hold_s=60) as w:
-        request_id = w.started()
-        w.writer.on_event(TokenEvent(request_id, "", 1, (11,)))  # no text yet (a UTF-8 part)
-        time.sleep(0.3)  # the writer had time to write it
-        assert w.kinds(request_id) == []
-        w.writer.on_event(TokenEvent(request_id, "Hi", 1, (12,)))
-        assert w.wait_for(request_id, 2) == ["accepted", "token"]
-        entries = w.redis.xrange(protocol.events_stream(request_id))
-        assert protocol.decode_event(entries[1][1])[1]["ids"] == [11, 12]
-
-
-def test_accepted_waits_no_longer_than_its_hold():
-    """A long prefill: the web learns which daemon runs its request meanwhile."""
-    with RunningWriter(accepted_hold_s=0.05) as w:
-        request_id = w.started()
-        assert w.wait_for(request_id, 1) == ["accepted"]
-
-
-def test_accepted_goes_out_with_any_flush_due_before_its_text():
-    """Another request's tokens due (the interval's grid) take a waiting ``accepted``
-    along; an end written at once takes it too."""
-    with RunningWriter(accepted_hold_s=60, stream_interval_s=0.0) as w:
-        streaming, waiting = w.started(), w.started()
-        w.writer.on_event(TokenEvent(streaming, "Hi", 1))
-        assert w.wait_for(streaming, 2) == ["accepted", "token"]
-        assert w.wait_for(waiting, 1) == ["accepted"]
-        ending = w.started()
-        w.writer.on_event(finished(ending))
-        assert w.wait_for(ending, 2) == ["accepted", "done"]
-
-
-def test_a_first_text_held_while_submitting_sends_accepted_at_once():
-    with RunningWriter(accepted_hold_s=60) as w:
-        request_id = uuid.uuid4().hex
-        w.streams.append(protocol.events_stream(request_id))
-        w.writer.hold(request_id)
-        w.writer.on_event(TokenEvent(request_id, "Hi", 1))
-        w.writer.accepted(request_id, "0-1", prompt_tokens=4)
-        assert w.wait_for(request_id, 2) == ["accepted", "token"]

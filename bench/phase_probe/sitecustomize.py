@@ -82,10 +82,11 @@ if os.environ.get("PROBE_DAEMON_FILE"):
     _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_scheduler)
 
 if os.environ.get("PROBE_STEAL_FILE"):
-    # Around each tick that admits a request (its prefill): every task's time on a CPU and
-    # time runnable but waiting for one (``/proc/<pid>/task/<tid>/schedstat``, ns) in the
-    # daemon, its supervisor, daphne, redis-server and the client, by component. Read
-    # before and after the tick (not during it: the reads delay the prefill, not load it).
+    # Around the decode of each tick that admits a request (its prefill): every task's time
+    # on a CPU and time runnable but waiting for one (``/proc/<pid>/task/<tid>/schedstat``,
+    # ns) in the daemon, its supervisor, daphne, redis-server and the client, by component.
+    # Read before and after the decode (not during it: the reads delay the prefill, they do
+    # not load it); the commit after it (the first token's events) is outside.
     _steal_out = open(os.environ["PROBE_STEAL_FILE"], "a", buffering=1)  # noqa: SIM115
     _pids: dict[str, list[int]] = {}
 
@@ -139,14 +140,30 @@ if os.environ.get("PROBE_STEAL_FILE"):
             return f"daemon:{names[tid]}" if tid in names else "engine:native"
         return next((name for name, pids in _processes().items() if pid in pids), "other")
 
+    _admitting = threading.local()  # the loop thread's tick admits these requests
+
     def _probe_steal(module: Any) -> None:
         run = module.Scheduler.run
 
         def probed_run(self: Any, plan: Any) -> Any:
-            if not plan.admitted:
+            _admitting.rids = list(plan.admitted)
+            try:
                 return run(self, plan)
+            finally:
+                _admitting.rids = []
+
+        module.Scheduler.run = probed_run
+
+    def _probe_decode(module: Any) -> None:
+        decode = module.LlamaEngine.decode
+
+        def probed_decode(self: Any, rows: Any, abortable: bool = False) -> Any:
+            rids = getattr(_admitting, "rids", None)
+            if not rids:
+                return decode(self, rows, abortable)
+            _admitting.rids = []  # its first decode only (a retry is another story)
             before, busy0, t0 = _sched(), _machine(), time.monotonic()
-            result = run(self, plan)
+            result = decode(self, rows, abortable)
             wall, busy1, after = time.monotonic() - t0, _machine(), _sched()
             loop_tid = threading.get_native_id()
             names = {t.native_id: t.name for t in threading.enumerate()}
@@ -158,14 +175,15 @@ if os.environ.get("PROBE_STEAL_FILE"):
                 run_ms[name] = run_ms.get(name, 0.0) + (r1 - r0) / 1e6
                 wait_ms[name] = wait_ms.get(name, 0.0) + (w1 - w0) / 1e6
             _steal_out.write(json.dumps({
-                "rids": list(plan.admitted), "n_tokens": plan.n_tokens,
-                "wall_ms": wall * 1000, "run_ms": run_ms, "wait_ms": wait_ms,
-                "machine_busy_ms": busy1[0] - busy0[0], "steal_ms": busy1[1] - busy0[1]}) + "\n")
+                "rids": rids, "n_tokens": len(rows), "wall_ms": wall * 1000,
+                "run_ms": run_ms, "wait_ms": wait_ms, "machine_busy_ms": busy1[0] - busy0[0],
+                "steal_ms": busy1[1] - busy0[1]}) + "\n")
             return result
 
-        module.Scheduler.run = probed_run
+        module.LlamaEngine.decode = probed_decode
 
     _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_steal)
+    _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_decode)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
