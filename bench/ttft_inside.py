@@ -10,7 +10,10 @@ sending) is each side's *outside*. Per round the medians; at the end the median 
 per-round differences (ours - llama-server) of the client's TTFT, the prefill and the
 outside, and our ``queue_ms``. ``--env NAME=VALUE`` sets our stack's settings (its
 defaults otherwise: ``make run``'s). llama-server: ``bench/vs_llama_server.py``'s.
+``--peer-shared``: llama-server built with shared libraries (as the wheel builds our
+engine's llama.cpp; ~5% slower prefill than the static peer, bench/peer_build_ab.py).
 Run:  .venv/bin/python bench/ttft_inside.py [--rounds 8] [--env CACHE_PROMPT=false]
+      [--peer-shared]
 The last line printed is JSON.
 """
 
@@ -61,8 +64,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--peer-shared", action="store_true",
+                        help="llama-server built with shared libraries, as the llama-cpp-python "
+                             "wheel builds llama.cpp (bench/peer_build_ab.py)")
     args = parser.parse_args()
-    peer = LlamaServer(build(log=lambda line: None), args.threads)
+    binary = build(log=lambda line: None, shared=args.peer_shared)
+    if args.peer_shared:
+        os.environ["LD_LIBRARY_PATH"] = str(binary.parent)
+    peer = LlamaServer(binary, args.threads)
     ours = Stack(args.redis_url, 4, args.threads, "gemma-3-270m", defaults=True,
                  env=dict(item.split("=", 1) for item in args.env), supervise=True)
     rounds = []
@@ -72,7 +81,8 @@ def main() -> None:
         base = f"http://127.0.0.1:{ours.port}"
         print(f"machine: {machine()}")
         print(f"command: {' '.join(sys.argv)}")
-        print(f"llama-server: {' '.join(peer.argv[1:])}")
+        print(f"llama-server{' (shared libraries)' if args.peer_shared else ''}: "
+              f"{' '.join(peer.argv[1:])}")
         asyncio.run(peer_round(side.url, "warm"))
         asyncio.run(ttft_split.measure(base, key, 2, args.redis_url))
         for r in range(args.rounds):
@@ -123,6 +133,7 @@ def main() -> None:
     print(f"outside: ours {summary['ours_outside_ms']} ms, llama-server "
           f"{summary['peer_outside_ms']} ms; our queue_ms {summary['ours_queue_ms']}")
     print(json.dumps({"bench": "ttft_inside", "machine": machine(), "env": args.env,
+                      "peer_shared": args.peer_shared,
                       "rounds": len(rounds), **summary}))
 
 
