@@ -45,8 +45,8 @@ def pin() -> str:
 def build(log=print, shared: bool = False) -> Path:
     """The cached llama-server binary, built first if needed (~10 min on 2 cores).
     ``shared``: llama.cpp's libraries as shared objects (position-independent code, as the
-    llama-cpp-python wheel builds them) beside the binary, found through its RUNPATH or
-    ``LD_LIBRARY_PATH`` set to its folder (bench/peer_build_ab.py)."""
+    llama-cpp-python wheel builds them) beside the binary (``vs_llama_server.LlamaServer``
+    sets ``LD_LIBRARY_PATH`` to its folder; bench/peer_build_ab.py)."""
     dev = _dev()
     flags = dev.llama_cmake_args()
     key = f"{pin()}|{flags}|{os.uname().machine}" + ("|shared" if shared else "")

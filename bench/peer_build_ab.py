@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -59,9 +58,7 @@ def main() -> None:
     per: dict[str, list[float]] = {"static": [], "shared": [], "engine": []}
     rounds: list[dict[str, float]] = []
     try:
-        sides = {"static": static.start()}
-        os.environ["LD_LIBRARY_PATH"] = str(shared_bin.parent)  # its libllama.so and ggml's
-        sides["shared"] = shared.start()
+        sides = {"static": static.start(), "shared": shared.start()}
         print(f"machine: {machine()}")
         print(f"command: {' '.join(sys.argv)}")
         print(f"llama-server: {' '.join(static.argv[1:])}")

@@ -68,10 +68,7 @@ def main() -> None:
                         help="llama-server built with shared libraries, as the llama-cpp-python "
                              "wheel builds llama.cpp (bench/peer_build_ab.py)")
     args = parser.parse_args()
-    binary = build(log=lambda line: None, shared=args.peer_shared)
-    if args.peer_shared:
-        os.environ["LD_LIBRARY_PATH"] = str(binary.parent)
-    peer = LlamaServer(binary, args.threads)
+    peer = LlamaServer(build(log=lambda line: None, shared=args.peer_shared), args.threads)
     ours = Stack(args.redis_url, 4, args.threads, "gemma-3-270m", defaults=True,
                  env=dict(item.split("=", 1) for item in args.env), supervise=True)
     rounds = []

@@ -228,8 +228,10 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Side:
+        # a shared build's libraries lie beside its binary (llama_server_build.py --shared)
+        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(self.argv[0]).parent)}
         self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"),
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
             try:

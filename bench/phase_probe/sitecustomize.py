@@ -2,8 +2,8 @@
 of the service): when ``$PROBE_DAEMON_FILE`` is set, the intake's and the scheduler's steps
 are wrapped as their modules are imported, and each step's wall-clock time is written as a
 JSON line (by jobs-stream entry or request id). When ``$PROBE_STEAL_FILE`` is set (for
-bench/prefill_steal.py), each tick that admits a request is wrapped: what every other task
-ran meanwhile. Only this project's own classes are wrapped."""
+bench/prefill_steal.py), the decode of each tick that admits a request is wrapped: what
+every other task ran meanwhile. Only this project's own classes are wrapped."""
 from __future__ import annotations
 
 import importlib.abc
@@ -175,9 +175,9 @@ if os.environ.get("PROBE_STEAL_FILE"):
                 run_ms[name] = run_ms.get(name, 0.0) + (r1 - r0) / 1e6
                 wait_ms[name] = wait_ms.get(name, 0.0) + (w1 - w0) / 1e6
             _steal_out.write(json.dumps({
-                "rids": rids, "n_tokens": len(rows), "wall_ms": wall * 1000,
-                "run_ms": run_ms, "wait_ms": wait_ms, "machine_busy_ms": busy1[0] - busy0[0],
-                "steal_ms": busy1[1] - busy0[1]}) + "\n")
+                "rids": rids, "n_tokens": sum(len(row.tokens) for row in rows),
+                "wall_ms": wall * 1000, "run_ms": run_ms, "wait_ms": wait_ms,
+                "machine_busy_ms": busy1[0] - busy0[0], "steal_ms": busy1[1] - busy0[1]}) + "\n")
             return result
 
         module.LlamaEngine.decode = probed_decode
