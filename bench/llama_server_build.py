@@ -42,19 +42,22 @@ def pin() -> str:
                 if line.startswith("llama-cpp-python=="))
 
 
-def build(log=print, shared: bool = False) -> Path:
+def build(log=print, shared: bool = False, cflags: str = "") -> Path:
     """The cached llama-server binary, built first if needed (~10 min on 2 cores).
     ``shared``: llama.cpp's libraries as shared objects (position-independent code, as the
     llama-cpp-python wheel builds them) beside the binary (``vs_llama_server.LlamaServer``
-    sets ``LD_LIBRARY_PATH`` to its folder; bench/peer_build_ab.py)."""
+    sets ``LD_LIBRARY_PATH`` to its folder; bench/peer_build_ab.py). ``cflags``: more C and
+    C++ compiler flags (a build variant to compare, e.g. ``-fno-semantic-interposition``)."""
     dev = _dev()
     flags = dev.llama_cmake_args()
     key = f"{pin()}|{flags}|{os.uname().machine}" + ("|shared" if shared else "")
+    key += f"|cflags={cflags}" if cflags else ""
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     binary = CACHE / key / "llama-server"
     if binary.exists():
         return binary
-    log(f"building llama-server from {pin()}'s vendored llama.cpp with: {flags or 'defaults'}")
+    log(f"building llama-server from {pin()}'s vendored llama.cpp with: {flags or 'defaults'}"
+        + (f" and compiler flags {cflags}" if cflags else ""))
     with tempfile.TemporaryDirectory(prefix="llama-server-src-") as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check",
                         "--no-binary", ":all:", "--no-deps", "-d", tmp, pin()], check=True)
@@ -67,7 +70,9 @@ def build(log=print, shared: bool = False) -> Path:
                         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                         "-DLLAMA_BUILD_SERVER=ON",
                         f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}",
-                        *flags.split()], check=True)
+                        *flags.split(),
+                        *([f"-DCMAKE_C_FLAGS={cflags}", f"-DCMAKE_CXX_FLAGS={cflags}"]
+                          if cflags else [])], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server",
                         "-j", str(os.cpu_count() or 2)], check=True)
         binary.parent.mkdir(parents=True, exist_ok=True)
@@ -80,4 +85,10 @@ def build(log=print, shared: bool = False) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(log=lambda line: print(line, file=sys.stderr), shared="--shared" in sys.argv))
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shared", action="store_true", help="shared libraries beside it")
+    parser.add_argument("--cflags", default="", help="more C/C++ compiler flags")
+    args = parser.parse_args()
+    print(build(log=lambda line: print(line, file=sys.stderr), shared=args.shared,
+                cflags=args.cflags))

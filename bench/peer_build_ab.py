@@ -1,15 +1,20 @@
-"""The same prefill on three builds of the same llama.cpp: llama-server static (the peer as
+"""The same prefill on builds of the same llama.cpp: llama-server static (the peer as
 bench/llama_server_build.py builds it), llama-server with shared libraries (position-
-independent code, as the llama-cpp-python wheel builds them) and our engine in process.
+independent code, as the llama-cpp-python wheel builds them), optionally a shared build with
+more compiler flags (``--cflags``), and our engine on the wheel's libraries and on that
+variant's.
 
 The served conc-1 gap is mostly a prefill gap (bench/ttft_inside.py), and our engine alone
 (bench/kv_span.py, an empty KV) is slower than llama-server's own ``prompt_ms``; this
 separates the build from the rest. Each round, taking turns in a rotating order: 10
 distinct ~157-token prompts (``ttft_split.essay``) to each llama-server (``prompt_ms`` of
 each, sequential, max_tokens 8), and the same prompts' prefill on ``LlamaEngine`` (the
-daemon's engine: unified KV, n_ctx 8192, 2 threads, an empty KV each time). Per side the
-median; per pair of sides the median of the per-round ratios.
-Run:  .venv/bin/python bench/peer_build_ab.py [--rounds 6]
+daemon's engine: unified KV, n_ctx 8192, 2 threads, an empty KV each time), each engine in
+a worker process of its own (``LLAMA_CPP_LIB_PATH`` picks its libraries; the worker prints
+which libggml-cpu it mapped). Per side the median; per pair of sides the median of the
+per-round ratios.
+Run:  .venv/bin/python bench/peer_build_ab.py [--rounds 6] [--no-shared]
+          [--cflags "-fno-semantic-interposition -fno-plt"]
 The last line printed is JSON.
 """
 
@@ -17,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import ttft_split
 from _common import machine, model_path
@@ -28,60 +37,108 @@ from llama_server_build import build
 from ttft_inside import PER_ROUND, peer_round
 from vs_llama_server import LlamaServer
 
-from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.engine_api import BatchRow
+
+def worker() -> None:
+    """One engine, in this process: a salt per line on stdin, its prefill times (ms, JSON)
+    per line on stdout. The first line out names the libggml-cpu this process mapped."""
+    from scheduler_daemon.engine import EngineConfig, LlamaEngine
+    from scheduler_daemon.engine_api import BatchRow
+
+    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
+                                      n_seq_max=5, n_threads=2))
+    maps = Path("/proc/self/maps").read_text().split()
+    print(json.dumps(sorted({w for w in maps if "libggml-cpu" in w})), flush=True)
+    for line in sys.stdin:
+        times = []
+        for i in range(PER_ROUND):
+            tokens = engine.tokenize(ttft_split.essay(f"{line.strip()}-{i}"))
+            engine.kv_remove(0)
+            t0 = time.perf_counter()
+            if engine.decode([BatchRow(0, tokens, 0, True)]) != 0:
+                raise RuntimeError("decode failed")
+            times.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.3)  # as the served rounds wait between requests
+        print(json.dumps(times), flush=True)
+    engine.close()
 
 
-def engine_round(engine: LlamaEngine, salt: str) -> list[float]:
-    """Each prompt's prefill (ms) into an empty KV, in process."""
-    times = []
-    for i in range(PER_ROUND):
-        tokens = engine.tokenize(ttft_split.essay(f"{salt}-{i}"))
-        engine.kv_remove(0)
-        t0 = time.perf_counter()
-        if engine.decode([BatchRow(0, tokens, 0, True)]) != 0:
-            raise RuntimeError("decode failed")
-        times.append((time.perf_counter() - t0) * 1000)
-        time.sleep(0.3)  # as the served rounds wait between requests
-    return times
+class EngineWorker:
+    """``worker()`` in a process of its own, on the libraries of ``lib_dir`` (None: the
+    wheel's)."""
+
+    def __init__(self, lib_dir: Path | None) -> None:
+        env = dict(os.environ)
+        if lib_dir is not None:
+            env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+            env["LD_LIBRARY_PATH"] = str(lib_dir)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.libs = json.loads(self.proc.stdout.readline())
+
+    def round(self, salt: str) -> list[float]:
+        self.proc.stdin.write(salt + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--cflags", default="",
+                        help="a shared build with these compiler flags as well ('tuned')")
+    parser.add_argument("--no-shared", action="store_true",
+                        help="leave out the shared build with llama.cpp's own flags")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    static_bin, shared_bin = build(log=lambda line: None), build(log=print, shared=True)
-    static = LlamaServer(static_bin, 2)
-    shared = LlamaServer(shared_bin, 2)
-    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=8192, n_batch=2048,
-                                      n_seq_max=5, n_threads=2))
-    per: dict[str, list[float]] = {"static": [], "shared": [], "engine": []}
+    if args.worker:
+        return worker()
+    servers = {"static": LlamaServer(build(log=print), 2)}
+    if not args.no_shared:
+        servers["shared"] = LlamaServer(build(log=print, shared=True), 2)
+    tuned_dir = None
+    if args.cflags:
+        tuned = build(log=print, shared=True, cflags=args.cflags)
+        servers["tuned"], tuned_dir = LlamaServer(tuned, 2), tuned.parent
+    engines = {"engine": EngineWorker(None)}
+    if tuned_dir is not None:
+        engines["engine-tuned"] = EngineWorker(tuned_dir)
+    per: dict[str, list[float]] = {name: [] for name in [*servers, *engines]}
     rounds: list[dict[str, float]] = []
     try:
-        sides = {"static": static.start(), "shared": shared.start()}
+        sides = {name: server.start() for name, server in servers.items()}
         print(f"machine: {machine()}")
         print(f"command: {' '.join(sys.argv)}")
-        print(f"llama-server: {' '.join(static.argv[1:])}")
-        for name in ("static", "shared"):
+        print(f"llama-server: {' '.join(servers['static'].argv[1:])}")
+        if args.cflags:
+            print(f"tuned: shared libraries built with {args.cflags}")
+        for name, eng in engines.items():
+            print(f"{name} maps {', '.join(eng.libs)}")
+        for name in sides:
             asyncio.run(peer_round(sides[name].url, "warm"))
-        engine_round(engine, "warm")
+        for eng in engines.values():
+            eng.round("warm")
         names = list(per)
         for r in range(args.rounds):
             row = {}
-            for name in names[r % 3:] + names[:r % 3]:
-                if name == "engine":
-                    got = engine_round(engine, f"r{r}")
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name in engines:
+                    got = engines[name].round(f"r{r}")
                 else:
                     got = [p for _, p in asyncio.run(peer_round(sides[name].url, f"r{r}"))]
                 per[name] += got
                 row[name] = statistics.median(got)
-            rounds.append(row)
-            print(f"round {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
+            rounds.append({name: row[name] for name in names})
+            print(f"round {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items())
                   + " (prefill ms, p50)", flush=True)
     finally:
-        static.stop()
-        shared.stop()
-        engine.close()
+        for server in servers.values():
+            server.stop()
+        for eng in engines.values():
+            eng.stop()
 
     def ratio(a: str, b: str) -> dict[str, float]:
         values = [row[a] / row[b] for row in rounds]
@@ -89,16 +146,15 @@ def main() -> None:
                 "max": round(max(values), 3)}
 
     summary = {f"{k}_p50_ms": round(statistics.median(v), 1) for k, v in per.items()}
-    summary.update({"shared/static": ratio("shared", "static"),
-                    "engine/static": ratio("engine", "static"),
-                    "engine/shared": ratio("engine", "shared")})
+    pairs = [f"{a}/{b}" for b, a in itertools.combinations(per, 2)]
+    summary.update({pair: ratio(*pair.split("/")) for pair in pairs})
     print("prefill p50: " + ", ".join(f"{k.removesuffix('_p50_ms')} {v} ms"
                                       for k, v in summary.items() if k.endswith("_p50_ms")))
-    for pair in ("shared/static", "engine/static", "engine/shared"):
+    for pair in pairs:
         d = summary[pair]
         print(f"{pair}: {d['median']} [{d['min']}, {d['max']}] (median of {len(rounds)} rounds)")
     print(json.dumps({"bench": "peer_build_ab", "machine": machine(), "rounds": len(rounds),
-                      **summary}))
+                      "cflags": args.cflags, **summary}))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,16 @@ a request (its prefill; the tick's commit, which sends the first token, is outsi
 daemon's threads by name, the engine's (``engine:loop``, ``engine:native``: the OpenMP
 worker), the supervisor, daphne (``web``), redis-server and this client, and the machine's
 busy and steal time (``/proc/stat``, 10 ms ticks). Per component the mean CPU ms during a
-prefill tick; the engine's wait ms is the time its threads were ready but off a CPU.
+prefill tick; the engine's wait ms is the time its threads were ready but off a CPU; how
+many times each got a CPU (schedstat's third field) and, for the daemon's threads, how many
+times it moved to another CPU (``se.nr_migrations``).
 Workload: ``ttft_split.measure``'s sequential streamed completions (~157-token prompts,
 max_tokens 8). Our stack as ``make run`` starts it; ``--baseline DIR`` runs another
 checkout's stack beside it (its own Redis database), taking turns per round.
+``--this-env NAME=VALUE`` gives this checkout's daemon more environment (``PROBE_PIN=1``:
+the probe pins the engine's threads each to a CPU of its own, an experiment).
 Run:  .venv/bin/python bench/prefill_steal.py [--requests 12] [--rounds 3] [--baseline DIR]
+          [--this-env PROBE_PIN=1]
 The last line printed is JSON.
 """
 
@@ -37,11 +42,12 @@ PROBES = Path(__file__).resolve().parent / "phase_probe"
 WARM = 2  # the first requests of a round warm up
 
 
-def open_stack(root: Path, redis_url: str, steal_file: Path) -> tuple[Stack, str]:
+def open_stack(root: Path, redis_url: str, steal_file: Path,
+               env: dict[str, str] | None = None) -> tuple[Stack, str]:
     stack = Stack(redis_url, 4, 2, MODEL, root=root, defaults=True, supervise=True)
     stack.daemon_env = {"PYTHONPATH": str(PROBES), "PROBE_STEAL_FILE": str(steal_file),
                         "PROBE_CLIENT_PID": str(os.getpid()),
-                        "PROBE_WEB_MARKER": f"tcp:port={stack.port}:"}
+                        "PROBE_WEB_MARKER": f"tcp:port={stack.port}:", **(env or {})}
     return stack, stack.open()
 
 
@@ -49,10 +55,14 @@ def summarize(ticks: list[dict], samples: list[ttft_split.Sample]) -> dict:
     """Per component the mean run and wait ms over the warm requests' prefill ticks."""
     run: dict[str, list[float]] = defaultdict(list)
     wait: dict[str, list[float]] = defaultdict(list)
+    slices: dict[str, list[float]] = defaultdict(list)
+    moves: dict[str, list[float]] = defaultdict(list)
     for tick in ticks:
         for name in set(tick["run_ms"]) | set(tick["wait_ms"]):
             run[name].append(tick["run_ms"].get(name, 0.0))
             wait[name].append(tick["wait_ms"].get(name, 0.0))
+            slices[name].append(tick.get("slices", {}).get(name, 0))
+            moves[name].append(tick.get("moves", {}).get(name, 0))
     n = len(ticks)
 
     def mean(values: list[float]) -> float:
@@ -70,6 +80,8 @@ def summarize(ticks: list[dict], samples: list[ttft_split.Sample]) -> dict:
         "steal_ms": mean([t["steal_ms"] for t in ticks]),
         "run_ms": {name: mean(values) for name, values in sorted(run.items())},
         "wait_ms": {name: mean(values) for name, values in sorted(wait.items())},
+        "slices": {name: mean(values) for name, values in sorted(slices.items())},
+        "moves": {name: mean(values) for name, values in sorted(moves.items())},
     }
 
 
@@ -81,7 +93,11 @@ def main() -> None:
     parser.add_argument("--baseline-redis-url", default="redis://127.0.0.1:6379/12")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout (a git worktree of the commit before a change)")
+    parser.add_argument("--this-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="more environment for this checkout's daemon (an experiment "
+                             "in the probe, e.g. PROBE_PIN=1)")
     args = parser.parse_args()
+    this_env = dict(item.split("=", 1) for item in args.this_env)
     tmp = Path(tempfile.mkdtemp(prefix="prefill-steal-"))
     sides = {"this": (ROOT, args.redis_url)}
     if args.baseline:
@@ -90,7 +106,8 @@ def main() -> None:
     samples: dict[str, list[ttft_split.Sample]] = defaultdict(list)
     try:
         for name, (root, redis_url) in sides.items():
-            stacks[name] = open_stack(root, redis_url, tmp / f"{name}.jsonl")
+            stacks[name] = open_stack(root, redis_url, tmp / f"{name}.jsonl",
+                                      this_env if name == "this" else None)
         for round_no in range(args.rounds):
             order = list(sides) if round_no % 2 == 0 else list(reversed(sides))
             for name in order:
@@ -103,7 +120,7 @@ def main() -> None:
         for stack, _ in stacks.values():
             stack.close()
     report = {"bench": "prefill_steal", "machine": machine(), "requests": args.requests,
-              "rounds": args.rounds}
+              "rounds": args.rounds, "this_env": this_env}
     print(f"machine: {machine()}")
     for name in sides:
         warm = {s.request_id for s in samples[name]}
@@ -117,7 +134,9 @@ def main() -> None:
               f"prefill; everything else on a CPU meanwhile: {result['others_run_ms']:.2f} ms; "
               f"machine busy {result['machine_busy_ms']:.1f} ms, steal {result['steal_ms']:.1f}")
         for component, ms in result["run_ms"].items():
-            print(f"  {component:28s} run {ms:7.2f} ms  wait {result['wait_ms'][component]:6.2f}")
+            print(f"  {component:28s} run {ms:7.2f} ms  wait {result['wait_ms'][component]:6.2f}"
+                  f"  on a CPU {result['slices'][component]:6.1f} times"
+                  f"  moved {result['moves'][component]:5.1f}")
     print(json.dumps(report))
 
 

@@ -110,9 +110,12 @@ if os.environ.get("PROBE_STEAL_FILE"):
                          client=[int(os.environ.get("PROBE_CLIENT_PID") or 0)])
         return _pids
 
-    def _sched() -> dict[tuple[int, int], tuple[int, int]]:
+    def _sched() -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """Per task: ns on a CPU, ns runnable but waiting, times it got a CPU, and (for the
+        daemon's own threads, from ``/proc/.../sched``) times it moved to another CPU."""
         out = {}
-        for pid in [os.getpid()] + [p for pids in _processes().values() for p in pids]:
+        own = os.getpid()
+        for pid in [own] + [p for pids in _processes().values() for p in pids]:
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
@@ -120,10 +123,15 @@ if os.environ.get("PROBE_STEAL_FILE"):
             for tid in tids:
                 try:
                     with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                        run_ns, wait_ns, _ = f.read().split()
-                except (OSError, ValueError):
+                        run_ns, wait_ns, slices = f.read().split()
+                    moves = 0
+                    if pid == own:
+                        with open(f"/proc/{pid}/task/{tid}/sched") as f:
+                            moves = next(int(line.split()[-1]) for line in f
+                                         if line.startswith("se.nr_migrations"))
+                except (OSError, ValueError, StopIteration):
                     continue
-                out[(pid, int(tid))] = (int(run_ns), int(wait_ns))
+                out[(pid, int(tid))] = (int(run_ns), int(wait_ns), int(slices), moves)
         return out
 
     def _machine() -> tuple[int, int]:
@@ -169,14 +177,19 @@ if os.environ.get("PROBE_STEAL_FILE"):
             names = {t.native_id: t.name for t in threading.enumerate()}
             run_ms: dict[str, float] = {}
             wait_ms: dict[str, float] = {}
-            for key, (r1, w1) in after.items():
-                r0, w0 = before.get(key, (0, 0))
+            slices: dict[str, int] = {}
+            moves: dict[str, int] = {}
+            for key, (r1, w1, s1, m1) in after.items():
+                r0, w0, s0, m0 = before.get(key, (0, 0, 0, 0))
                 name = _component(*key, loop_tid, names)
                 run_ms[name] = run_ms.get(name, 0.0) + (r1 - r0) / 1e6
                 wait_ms[name] = wait_ms.get(name, 0.0) + (w1 - w0) / 1e6
+                slices[name] = slices.get(name, 0) + s1 - s0
+                moves[name] = moves.get(name, 0) + m1 - m0
             _steal_out.write(json.dumps({
                 "rids": rids, "n_tokens": sum(len(row.tokens) for row in rows),
                 "wall_ms": wall * 1000, "run_ms": run_ms, "wait_ms": wait_ms,
+                "slices": slices, "moves": moves,
                 "machine_busy_ms": busy1[0] - busy0[0], "steal_ms": busy1[1] - busy0[1]}) + "\n")
             return result
 
@@ -184,6 +197,34 @@ if os.environ.get("PROBE_STEAL_FILE"):
 
     _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_steal)
     _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_decode)
+
+
+if os.environ.get("PROBE_PIN"):
+    # An experiment (bench/prefill_steal.py --this-env PROBE_PIN=1): after the first decode
+    # of the thread that decodes, it and its OpenMP workers each on a CPU of their own
+    # (``sched_setaffinity`` per thread), so that the two can never share a CPU's queue.
+    _pinned: set[int] = set()
+
+    def _probe_pin(module: Any) -> None:
+        decode = module.LlamaEngine.decode
+
+        def pinned_decode(self: Any, rows: Any, abortable: bool = False) -> Any:
+            result = decode(self, rows, abortable)
+            me = threading.get_native_id()
+            if me not in _pinned and threading.current_thread().name == "scheduler-loop":
+                _pinned.add(me)
+                python = {t.native_id for t in threading.enumerate()}
+                workers = sorted(int(t) for t in os.listdir("/proc/self/task")
+                                 if int(t) not in python)
+                cpus = sorted(os.sched_getaffinity(0))
+                for i, tid in enumerate([me, *workers]):
+                    os.sched_setaffinity(tid, {cpus[i % len(cpus)]})
+                print(f"probe: pinned {[me, *workers]} to {cpus}", file=sys.stderr, flush=True)
+            return result
+
+        module.LlamaEngine.decode = pinned_decode
+
+    _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_pin)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
