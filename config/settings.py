@@ -198,6 +198,9 @@ WEB_REDIS_POOL_TIMEOUT_S = env_float("WEB_REDIS_POOL_TIMEOUT_S", 5.0)
 # (4401); open sockets' keys are checked again this often (revoked key: close 4401).
 WS_AUTH_TIMEOUT_S = env_float("WS_AUTH_TIMEOUT_S", 10.0)
 WS_REVOCATION_CHECK_S = env_float("WS_REVOCATION_CHECK_S", 1.0)
+# SSE: a comment line after this many seconds without an event, so that proxies keep an idle
+# stream open (inference/api_views.py).
+SSE_KEEPALIVE_S = env_float("SSE_KEEPALIVE_S", 15.0)
 
 # Tenant limits (docs/limits.md): a request holds its concurrency slot at most
 # ACCEPT_TIMEOUT_S + REQUEST_TIMEOUT_S + this, so a crash never leaks one for good.

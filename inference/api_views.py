@@ -61,7 +61,6 @@ from inference.openapi import (
     error_responses,
 )
 
-KEEPALIVE_IDLE_TICKS = 15  # an SSE comment after this many idle seconds
 SSE_MEDIA_TYPE = "text/event-stream"
 
 
@@ -254,15 +253,19 @@ async def _sse(formatter: Formatter,
     """SSE frames, one write per event (its chunks, and ``[DONE]`` after the last, go out
     together); a client that goes away mid-stream has its request cancelled unless it
     resumes within the grace."""
+    # an idle tick is one empty read (service.BLOCK_MS): a keep-alive after SSE_KEEPALIVE_S
+    # of them in a row
+    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
     idle, ended = 0, False
     async with service.CancelIfAbandoned(formatter.request_id), aclosing(events) as stream:
         yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
         async for event in stream:
             if event is None:
                 idle += 1
-                if idle % KEEPALIVE_IDLE_TICKS == 0:
+                if idle % every == 0:
                     yield KEEPALIVE_FRAME
                 continue
+            idle = 0
             frames = b"".join(sse_frame(event.entry_id, payload)
                               for payload in formatter.chunks(event))
             if event.is_terminal:  # the stream ends after it

@@ -16,7 +16,12 @@ from wire import protocol
 from wire.errors import TIMEOUT
 
 DONE_FRAME = b"data: [DONE]\n\n"
-KEEPALIVE_FRAME = b": keep-alive\n\n"
+# A comment line and no blank line: a blank line ends an event, and the OpenAI Python SDK
+# hands a client an event for a blank line once any event had an id (it keeps the last id,
+# as the SSE spec says, but does not check that the event has data), then fails to parse
+# its empty data: a keep-alive between two chunks ended the SDK's stream with a
+# JSONDecodeError. A comment line alone is ignored by every SSE parser.
+KEEPALIVE_FRAME = b": keep-alive\n"
 OPEN_FRAME = b": stream\n\n"
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.live_service import echo, redis_conn, wait_until
+from tests.live_service import WebServer, echo, openai_client, redis_conn, wait_until
 from wire import protocol
 
 HELLO = [{"role": "user", "content": "Hi"}]
@@ -69,6 +69,51 @@ def test_streamed_chat_starts_with_the_role(web, standin):
     deltas = [payload["choices"][0]["delta"] for _, payload in events[:-1]]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hello"},
                       {"content": " world"}, {}]
+
+
+@pytest.fixture(scope="module")
+def keepalive_web():
+    """A web server whose SSE streams send a keep-alive after every idle second."""
+    server = WebServer()
+    server.env["SSE_KEEPALIVE_S"] = "1"
+    server.start()
+    yield server
+    server.stop()
+
+
+def pausing(standin, job):
+    """One chunk, then silence for several keep-alive intervals (a daemon that paused, or
+    one taking a dead one's request over), then the rest."""
+    standin.accept(job)
+    standin.emit(job.id, protocol.TOKEN, {"text": "Hello", "n_tokens": 1})
+    time.sleep(3.5)
+    standin.emit(job.id, protocol.TOKEN, {"text": " world", "n_tokens": 1})
+    standin.finish(job)
+
+
+def test_keep_alives_between_chunks_are_lone_comment_lines(keepalive_web, standin):
+    standin.serve(pausing)
+    body = {"model": standin.model, "prompt": "Say hi", "stream": True}
+    reply = keepalive_web.request("POST", "/v1/completions", body, keepalive_web.keys["owner"])
+    assert reply.status == 200
+    lines = reply.response.read().decode().split("\n")
+    reply.conn.close()
+    first = next(i for i, line in enumerate(lines) if '"Hello"' in line)
+    second = next(i for i, line in enumerate(lines) if '" world"' in line)
+    between = lines[first + 1:second]
+    assert ": keep-alive" in between  # the pause sent some (one per idle second)
+    for i, line in enumerate(lines):
+        if line == ": keep-alive":  # never followed by the blank line that ends an event
+            assert lines[i + 1] != "", lines[i - 2:i + 3]
+
+
+def test_the_openai_sdk_reads_a_stream_through_its_keep_alives(keepalive_web, standin):
+    standin.serve(pausing)
+    stream = openai_client(keepalive_web).completions.create(
+        model=standin.model, prompt="Say hi", stream=True)
+    chunks = list(stream)  # before: JSONDecodeError at the first keep-alive after a chunk
+    assert [c.choices[0].text for c in chunks if c.choices] == ["Hello", " world", ""]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])
