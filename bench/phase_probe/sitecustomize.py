@@ -199,6 +199,70 @@ if os.environ.get("PROBE_STEAL_FILE"):
     _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_decode)
 
 
+if os.environ.get("PROBE_GAP_FILE"):
+    # Where an admitting tick's time goes, by timestamps only (no /proc reads inside the
+    # window): the request's t_started (after its slot's preparation), the tick's run, the
+    # decode's start and end, and its first token (the commit's clock, after the decode).
+    _gap_out = open(os.environ["PROBE_GAP_FILE"], "a", buffering=1)  # noqa: SIM115
+    _gap = threading.local()
+    _gap_marks: dict[str, dict[str, float]] = {}  # request id -> its steps' clocks
+
+    def _probe_gap_run(module: Any) -> None:
+        run = module.Scheduler.run
+
+        def gap_run(self: Any, plan: Any) -> Any:
+            rids = list(plan.admitted)
+            _gap.decode = None
+            t_run = self._clock()
+            try:
+                return run(self, plan)
+            finally:
+                for rid in rids:
+                    req = self._requests.get(rid)
+                    if req is not None and _gap.decode is not None:
+                        _gap_out.write(json.dumps({
+                            "rid": rid, "arrival": req.arrival, "started": req.t_started,
+                            "run": t_run, "decode": _gap.decode, "first": req.t_first_token,
+                            "n_rows": len(plan.rows), **_gap_marks.pop(rid, {})}) + "\n")
+
+        module.Scheduler.run = gap_run
+        marks = _gap_marks
+        submit, schedule, assign = (module.Scheduler.submit, module.Scheduler.schedule,
+                                    module.Scheduler._assign)
+
+        def gap_submit(self: Any, request: Any) -> Any:
+            marks.setdefault(request.id, {})["submitted"] = self._clock()
+            return submit(self, request)
+
+        def gap_schedule(self: Any) -> Any:
+            _gap.schedule = self._clock()
+            return schedule(self)
+
+        def gap_assign(self: Any, req: Any, slot: Any) -> Any:
+            mark = marks.setdefault(req.id, {})
+            mark["schedule"], mark["assign"] = getattr(_gap, "schedule", 0.0), self._clock()
+            return assign(self, req, slot)
+
+        module.Scheduler.submit, module.Scheduler.schedule = gap_submit, gap_schedule
+        module.Scheduler._assign = gap_assign
+
+    def _probe_gap_decode(module: Any) -> None:
+        decode = module.LlamaEngine.decode
+
+        def gap_decode(self: Any, rows: Any, abortable: bool = False) -> Any:
+            t0 = time.monotonic()
+            try:
+                return decode(self, rows, abortable)
+            finally:
+                if getattr(_gap, "decode", 0) is None:  # the tick's first decode
+                    _gap.decode = (t0, time.monotonic())
+
+        module.LlamaEngine.decode = gap_decode
+
+    _PROBES.setdefault("scheduler_daemon.scheduler", []).append(_probe_gap_run)
+    _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_gap_decode)
+
+
 if os.environ.get("PROBE_PIN"):
     # An experiment (bench/prefill_steal.py --this-env PROBE_PIN=1): after the first decode
     # of the thread that decodes, it and its OpenMP workers each on a CPU of their own
@@ -213,13 +277,20 @@ if os.environ.get("PROBE_PIN"):
             me = threading.get_native_id()
             if me not in _pinned and threading.current_thread().name == "scheduler-loop":
                 _pinned.add(me)
+                # the OpenMP workers: the threads Python does not know that ran the most
+                # (the process has other native threads that hardly run)
                 python = {t.native_id for t in threading.enumerate()}
-                workers = sorted(int(t) for t in os.listdir("/proc/self/task")
-                                 if int(t) not in python)
                 cpus = sorted(os.sched_getaffinity(0))
-                for i, tid in enumerate([me, *workers]):
-                    os.sched_setaffinity(tid, {cpus[i % len(cpus)]})
-                print(f"probe: pinned {[me, *workers]} to {cpus}", file=sys.stderr, flush=True)
+                ran = {}
+                for tid in (int(t) for t in os.listdir("/proc/self/task")):
+                    if tid not in python:
+                        with open(f"/proc/self/task/{tid}/schedstat") as f:
+                            ran[tid] = int(f.read().split()[0])
+                workers = sorted(ran, key=ran.get, reverse=True)[:len(cpus) - 1]
+                for cpu, tid in zip(cpus, [me, *workers], strict=False):
+                    os.sched_setaffinity(tid, {cpu})
+                print(f"probe: pinned {[me, *workers]} to {cpus} (native threads' run ns: "
+                      f"{ran})", file=sys.stderr, flush=True)
             return result
 
         module.LlamaEngine.decode = pinned_decode
