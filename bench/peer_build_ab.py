@@ -13,7 +13,11 @@ daemon's engine: unified KV, n_ctx 8192, 2 threads, an empty KV each time), each
 a worker process of its own (``LLAMA_CPP_LIB_PATH`` picks its libraries; the worker prints
 which libggml-cpu it mapped). Per side the median; per pair of sides the median of the
 per-round ratios.
-Run:  .venv/bin/python bench/peer_build_ab.py [--rounds 6] [--no-shared]
+``--served``: also our stack as ``make run`` starts it, the same prompts streamed through it,
+its daemon's decode of each prompt timed by the gap probe (bench/ttft_gap.py's): the same
+engine served against in a bare process (the served side's KV also holds its idle slots'
+prefixes, as the peer's does; the bare engine's is empty).
+Run:  .venv/bin/python bench/peer_build_ab.py [--rounds 6] [--no-shared] [--served]
           [--cflags "-fno-semantic-interposition -fno-plt"]
 The last line printed is JSON.
 """
@@ -28,14 +32,19 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import openai
 import ttft_split
 from _common import machine, model_path
+from http_overhead import ROOT, Stack
 from llama_server_build import build
 from ttft_inside import PER_ROUND, peer_round
 from vs_llama_server import LlamaServer
+
+PROBES = Path(__file__).resolve().parent / "phase_probe"
 
 
 def worker() -> None:
@@ -85,6 +94,47 @@ class EngineWorker:
         self.proc.wait(timeout=30)
 
 
+class Served:
+    """Our stack (``make run``'s settings) with the gap probe: per round the daemon's
+    decode wall of each prompt, streamed through daphne like the peer's."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.gaps = Path(tempfile.mkdtemp(prefix="peer-build-ab-")) / "gap.jsonl"
+        self.stack = Stack(redis_url, 4, 2, ttft_split.MODEL, root=ROOT, defaults=True,
+                           supervise=True)
+        self.stack.daemon_env = {"PYTHONPATH": str(PROBES), "PROBE_GAP_FILE": str(self.gaps)}
+        self.key = self.stack.open()
+
+    def round(self, salt: str) -> list[float]:
+        rids = asyncio.run(self._requests(salt))
+        decodes = {}
+        for line in self.gaps.read_text().splitlines():
+            record = json.loads(line)
+            start, end = record["decode"]
+            decodes[record["rid"]] = (end - start) * 1000
+        return [decodes[rid] for rid in rids if rid in decodes]
+
+    async def _requests(self, salt: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.stack.port}/v1",
+                                    api_key=self.key, max_retries=0)
+        rids = []
+        try:
+            for i in range(PER_ROUND):
+                stream = await client.completions.create(
+                    model=ttft_split.MODEL, prompt=ttft_split.essay(f"{salt}-{i}"),
+                    max_tokens=8, temperature=0, stream=True)
+                async for chunk in stream:
+                    rid = chunk.id.removeprefix("cmpl-")
+                rids.append(rid)
+                await asyncio.sleep(0.3)  # as the other sides wait between requests
+        finally:
+            await client.close()
+        return rids
+
+    def stop(self) -> None:
+        self.stack.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -92,6 +142,9 @@ def main() -> None:
                         help="a shared build with these compiler flags as well ('tuned')")
     parser.add_argument("--no-shared", action="store_true",
                         help="leave out the shared build with llama.cpp's own flags")
+    parser.add_argument("--served", action="store_true",
+                        help="also our stack, its daemon's decode of the same prompts")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -106,6 +159,8 @@ def main() -> None:
     engines = {"engine": EngineWorker(None)}
     if tuned_dir is not None:
         engines["engine-tuned"] = EngineWorker(tuned_dir)
+    if args.served:
+        engines["served"] = Served(args.redis_url)
     per: dict[str, list[float]] = {name: [] for name in [*servers, *engines]}
     rounds: list[dict[str, float]] = []
     try:
@@ -116,7 +171,8 @@ def main() -> None:
         if args.cflags:
             print(f"tuned: shared libraries built with {args.cflags}")
         for name, eng in engines.items():
-            print(f"{name} maps {', '.join(eng.libs)}")
+            if isinstance(eng, EngineWorker):
+                print(f"{name} maps {', '.join(eng.libs)}")
         for name in sides:
             asyncio.run(peer_round(sides[name].url, "warm"))
         for eng in engines.values():
@@ -154,7 +210,7 @@ def main() -> None:
         d = summary[pair]
         print(f"{pair}: {d['median']} [{d['min']}, {d['max']}] (median of {len(rounds)} rounds)")
     print(json.dumps({"bench": "peer_build_ab", "machine": machine(), "rounds": len(rounds),
-                      "cflags": args.cflags, **summary}))
+                      "cflags": args.cflags, "served": args.served, **summary}))
 
 
 if __name__ == "__main__":
