@@ -13,6 +13,8 @@ daemon's engine: unified KV, n_ctx 8192, 2 threads, an empty KV each time), each
 a worker process of its own (``LLAMA_CPP_LIB_PATH`` picks its libraries; the worker prints
 which libggml-cpu it mapped). Per side the median; per pair of sides the median of the
 per-round ratios.
+``--served-variant NAME=VALUE``: a second such stack whose daemon gets that environment (the
+probe's experiments: ``PROBE_PIN=1``, ``PROBE_NO_ABORT=1``).
 ``--served``: also our stack as ``make run`` starts it, the same prompts streamed through it,
 its daemon's decode of each prompt timed by the gap probe (bench/ttft_gap.py's): the same
 engine served against in a bare process (the served side's KV also holds its idle slots'
@@ -98,11 +100,12 @@ class Served:
     """Our stack (``make run``'s settings) with the gap probe: per round the daemon's
     decode wall of each prompt, streamed through daphne like the peer's."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, env: dict[str, str] | None = None) -> None:
         self.gaps = Path(tempfile.mkdtemp(prefix="peer-build-ab-")) / "gap.jsonl"
         self.stack = Stack(redis_url, 4, 2, ttft_split.MODEL, root=ROOT, defaults=True,
                            supervise=True)
-        self.stack.daemon_env = {"PYTHONPATH": str(PROBES), "PROBE_GAP_FILE": str(self.gaps)}
+        self.stack.daemon_env = {"PYTHONPATH": str(PROBES), "PROBE_GAP_FILE": str(self.gaps),
+                                 **(env or {})}
         self.key = self.stack.open()
 
     def round(self, salt: str) -> list[float]:
@@ -145,6 +148,10 @@ def main() -> None:
     parser.add_argument("--served", action="store_true",
                         help="also our stack, its daemon's decode of the same prompts")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--served-variant", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --served: a second stack ('served-variant', Redis database "
+                             "13) whose daemon gets this environment (a probe's experiment, "
+                             "e.g. PROBE_PIN=1 or PROBE_NO_ABORT=1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -161,6 +168,11 @@ def main() -> None:
         engines["engine-tuned"] = EngineWorker(tuned_dir)
     if args.served:
         engines["served"] = Served(args.redis_url)
+        if args.served_variant:
+            engines["served-variant"] = Served(
+                "redis://127.0.0.1:6379/13",
+                dict(item.split("=", 1) for item in args.served_variant))
+            print(f"served-variant: {' '.join(args.served_variant)}")
     per: dict[str, list[float]] = {name: [] for name in [*servers, *engines]}
     rounds: list[dict[str, float]] = []
     try:
@@ -210,7 +222,8 @@ def main() -> None:
         d = summary[pair]
         print(f"{pair}: {d['median']} [{d['min']}, {d['max']}] (median of {len(rounds)} rounds)")
     print(json.dumps({"bench": "peer_build_ab", "machine": machine(), "rounds": len(rounds),
-                      "cflags": args.cflags, "served": args.served, **summary}))
+                      "cflags": args.cflags, "served": args.served,
+                      "served_variant": args.served_variant, **summary}))
 
 
 if __name__ == "__main__":

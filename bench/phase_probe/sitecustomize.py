@@ -263,6 +263,21 @@ if os.environ.get("PROBE_GAP_FILE"):
     _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_gap_decode)
 
 
+if os.environ.get("PROBE_NO_ABORT"):
+    # An experiment: every decode without the abort callback (a Python ctypes callback that
+    # llama.cpp's CPU backend calls after each graph node, taking the GIL each time), as
+    # the scheduler installs it for batches of ``abort_min_tokens`` or more.
+    def _probe_no_abort(module: Any) -> None:
+        decode = module.LlamaEngine.decode
+
+        def plain_decode(self: Any, rows: Any, abortable: bool = False) -> Any:
+            return decode(self, rows, False)
+
+        module.LlamaEngine.decode = plain_decode
+
+    _PROBES.setdefault("scheduler_daemon.engine", []).append(_probe_no_abort)
+
+
 if os.environ.get("PROBE_PIN"):
     # An experiment (bench/prefill_steal.py --this-env PROBE_PIN=1): after the first decode
     # of the thread that decodes, it and its OpenMP workers each on a CPU of their own
