@@ -213,6 +213,7 @@ class InferenceCore:
             kv_block_tokens=get("KV_BLOCK_TOKENS"),
             cache_prompt=get("CACHE_PROMPT"),
             ram_cache_bytes=get("PROMPT_CACHE_RAM_MB") * 2**20,
+            idle_slots_to_ram=get("IDLE_SLOTS_TO_RAM"),
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
             kv_scope_share=get("KV_TENANT_SHARE"),
             max_queue_per_scope=get("MAX_QUEUE_PER_TENANT"),

@@ -99,6 +99,7 @@ class PrefixCache:
         emit: Callable[[CacheEvent], None],
         clock: Callable[[], float],
         park_seq: int | None = None,
+        idle_to_ram: bool = False,
     ) -> None:
         self.engine = engine
         self.ram = ram
@@ -109,6 +110,7 @@ class PrefixCache:
         self._clock = clock
         self.park_seq = park_seq
         self._parked: _Parked | None = None
+        self.idle_to_ram = idle_to_ram and ram is not None  # without RAM it would just forget
 
     def prepare(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Make ``slot`` hold the longest reusable prefix of the prompt; set ``cached_tokens``."""
@@ -142,6 +144,22 @@ class PrefixCache:
             slot.cache_hits += 1
         if n > keep:
             self._count_hit(best.tier, n - keep)
+        if self.idle_to_ram:
+            self._clear_idle(slot, slots)
+
+    def _clear_idle(self, admitted: Slot, slots: list[Slot]) -> None:
+        """Every other idle slot's prefix to the RAM tier (unless it is there already), its
+        cells freed: llama.cpp's unified KV attends over every used cell up to the highest,
+        so idle prefixes widen each prefill's and each decode's span (~5% of a 157-token
+        prefill served, with three of them: docs/performance.md). Runs after the admitted
+        slot took what it needed from them (a cross-slot copy shares the cells it keeps)."""
+        for other in slots:
+            if other is admitted or other.state is not SlotState.IDLE or not other.tokens:
+                continue
+            self.preserve(other, slots)
+            self._truncate(other, 0)
+            other.cache_hits = 0
+            self.counters["idle_slots_cleared"] += 1
 
     def catch_up(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Mid-prefill: adopt what another slot of the scope has computed of this prompt since."""

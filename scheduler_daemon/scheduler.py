@@ -89,6 +89,9 @@ class SchedulerConfig:
     cache_prompt: bool = True
     abort_min_tokens: int = 64  # batches this large can be aborted mid-decode by a cancel
     cross_slot: bool = True  # adopt a same-scope prefix from another slot (llama_memory_seq_cp)
+    # an admission saves the other idle slots' prefixes to RAM and frees their cells (the
+    # prefill's attention span: its running slots only); needs the RAM tier
+    idle_slots_to_ram: bool = False
     ram_cache_bytes: int = 256 * 2**20  # RAM prompt cache budget (PROMPT_CACHE_RAM_MB); 0: off
     ram_tenant_share: float = 1.0  # most of that budget one cache_scope may hold
     ram_min_tokens: int = 16  # shorter cached prefixes are not worth a RAM entry
@@ -167,6 +170,7 @@ class Scheduler:
             self._cache_event,
             clock,
             park_seq=n_slots if config.park_seq else None,
+            idle_to_ram=config.idle_slots_to_ram,
         )
         for seq_id in range(engine.n_seq_max):  # a new scheduler owns the context: all empty
             engine.kv_remove(seq_id, 0, -1)
