@@ -263,7 +263,7 @@ PROMPT_CACHE_RAM_MB = env_int("PROMPT_CACHE_RAM_MB", 256)
 # (daemon) An admission moves the other idle slots' prefixes to the RAM tier and frees their
 # cells, so that its prefill attends over the running slots only (llama-server's
 # cache_idle_slots); returning sessions then restore from RAM. docs/performance.md.
-IDLE_SLOTS_TO_RAM = env_bool("IDLE_SLOTS_TO_RAM", False)
+IDLE_SLOTS_TO_RAM = env_bool("IDLE_SLOTS_TO_RAM", True)
 PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 1.0)
 # A stream's later tokens are written to Redis at most this often (several per event); its
 # first token and its end go at once. 0: every tick. See docs/daemon.md.
