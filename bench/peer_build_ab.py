@@ -126,9 +126,11 @@ class Served:
                 stream = await client.completions.create(
                     model=ttft_split.MODEL, prompt=ttft_split.essay(f"{salt}-{i}"),
                     max_tokens=8, temperature=0, stream=True)
+                rid = None
                 async for chunk in stream:
                     rid = chunk.id.removeprefix("cmpl-")
-                rids.append(rid)
+                if rid is not None:  # a stream with no chunk has no decode to read
+                    rids.append(rid)
                 await asyncio.sleep(0.3)  # as the other sides wait between requests
         finally:
             await client.close()
