@@ -252,6 +252,23 @@ def test_the_gate_refuses_a_tenants_full_share_with_429(model):
     assert admit(model, "A", max_queued=5) is None  # the tenant's own cap wins
 
 
+def test_a_tenants_retry_after_tells_nothing_of_other_tenants_queues(model):
+    """A 429's Retry-After is the tenant's own jobs over the drain rate: the same whether
+    no other tenant or many have work waiting (it must not let a tenant count them)."""
+    r = redis_conn()
+    fleet(r, model, max_queue=50)
+    for _ in range(2):
+        assert admit_and_enqueue(r, model, "A") is None
+    alone = admit(model, "A")
+    for other in ("B", "C", "D", "E"):
+        assert admit_and_enqueue(r, model, other) is None
+    crowded = admit(model, "A")
+    assert alone.code == crowded.code == "tenant_queue_full"
+    # A's 2 jobs drained at 0.5 jobs/s: 4 s, alone or behind four other tenants
+    assert alone.headers["Retry-After"] == crowded.headers["Retry-After"] == "4" \
+        == str(queue.retry_after(2, 0.5))
+
+
 def test_the_gate_counts_only_live_daemons_that_take_jobs(model):
     r = redis_conn()
     for t in ("t1", "t2", "t3"):

@@ -555,8 +555,9 @@ do
     local mine = tonumber(redis.call('HGET', KEYS[{g + 1}], ARGV[{a}]) or '0')
     mine = mine + redis.call('ZCARD', KEYS[{g + 4}])
     if mine >= share then
-      local tenants = math.max(1, redis.call('HLEN', KEYS[{g + 1}]))
-      return refuse_here(ARGV[{a + 4}], 'tenant_queue', 'full', wait_s(mine * tenants), mine)
+      -- its own jobs at the fleet's drain rate: nothing of other tenants' queues goes into
+      -- it (scaled by the tenants waiting, it let a tenant count them)
+      return refuse_here(ARGV[{a + 4}], 'tenant_queue', 'full', wait_s(mine), mine)
     end
   end
 end
