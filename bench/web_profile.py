@@ -120,8 +120,7 @@ def main() -> None:
             print(f"\n{name}: {total * per_token:.3f} ms CPU per token in {total} samples")
             for label, n in groups.most_common():
                 print(f"  {label:28s} {n * per_token:7.3f} ms/token  {n / total:6.1%}")
-            print("  threads: " + ", ".join(f"{t.split(' ')[-1].strip(chr(34))[:30]} "
-                                            f"{n * per_token:.3f}"
+            print("  threads: " + ", ".join(f"{t.split(': ', 1)[-1][:30]} {n * per_token:.3f}"
                                             for t, n in threads.most_common(8)))
             print("  top functions by self time:")
             for leaf, n in leaves.most_common(15):
