@@ -32,10 +32,9 @@ from pathlib import Path
 
 import redis
 from _common import machine
+from cost_breakdown import PY_SPY
 from http_overhead import Stack
 from vs_llama_server import NEW_TOKENS, Side, throughput
-
-PY_SPY = Path(sys.executable).with_name("py-spy")
 
 # a sample belongs to the innermost frame that names a group: (group, substring of a frame)
 GROUPS = [
@@ -116,8 +115,8 @@ def main() -> None:
               f"{tokens} tokens, {', '.join(pids)} sampled at {args.rate} Hz")
         for name in pids:
             groups, leaves, threads, total = parse(out / f"{name}.raw")
-            per_token = 1000 / args.rate / tokens  # ms of CPU per sample, per token
-            print(f"\n{name}: {total * per_token:.3f} ms CPU per token in {total} samples")
+            per_token = 1000 / args.rate / tokens  # ms sampled (running or runnable), per token
+            print(f"\n{name}: {total * per_token:.3f} ms sampled per token in {total} samples")
             for label, n in groups.most_common():
                 print(f"  {label:28s} {n * per_token:7.3f} ms/token  {n / total:6.1%}")
             print("  threads: " + ", ".join(f"{t.split(': ', 1)[-1][:30]} {n * per_token:.3f}"
