@@ -25,15 +25,28 @@ def health_report() -> dict[str, Any]:
     return {
         "status": "ok",
         "redis": redis_status,
-        "scheduler": "ok" if daemons else "unavailable",
+        "scheduler": _scheduler_status(daemons),
         "model": settings.MODELS[0],
         "models": sorted({d.get("model", "") for d in daemons}),
         "daemons": [_summary(d) for d in daemons],
     }
 
 
+def _scheduler_status(daemons: list[dict[str, Any]]) -> str:
+    """ok: a daemon serves; stuck: every live daemon's loop is stuck (its watchdog restarts
+    it: requests wait, none is lost); unavailable: no daemon publishes."""
+    if not daemons:
+        return "unavailable"
+    return "stuck" if all(_stuck(d) for d in daemons) else "ok"
+
+
+def _stuck(snapshot: dict[str, Any]) -> bool:
+    return bool((snapshot.get("loop") or {}).get("stuck"))
+
+
 def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
     slots = snapshot.get("slots") or []
+    loop = snapshot.get("loop") or {}
     return {
         "daemon_id": snapshot.get("daemon_id"),
         "model": snapshot.get("model"),
@@ -43,6 +56,10 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
         "slots_busy": sum(1 for s in slots if s.get("state") != "idle"),
         "queue_depth": len(snapshot.get("queue") or []),
         "admitting": snapshot.get("admitting", True),
+        "stuck": _stuck(snapshot),
+        "loop_stalled_s": loop.get("stalled_s"),
+        "restarts": snapshot.get("restarts", 0),
+        "last_exit": snapshot.get("last_exit"),
     }
 
 

@@ -57,6 +57,7 @@ class SchedulerDaemon:
         history: HistorySink | None = None,
         capacity: int | None = None,
         queue_allowance: tuple[int, int] | None = None,
+        run_info: dict[str, Any] | None = None,
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
@@ -64,7 +65,8 @@ class SchedulerDaemon:
         (``intake.FAULT_MARKER``). ``capacity``: the jobs it holds at most (its slots plus
         its local queue; default: ``intake.PREPARE_QUEUE_MAX``). ``queue_allowance``: what
         it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT; default: the core's
-        queue caps)."""
+        queue caps). ``run_info``: what the supervisor said of this run (restarts, how the
+        last run ended), published in the snapshot."""
         self.core = core
         self.redis = client
         self.model = model
@@ -79,7 +81,7 @@ class SchedulerDaemon:
         )
         self.heartbeat = Heartbeat(
             core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected,
-            config_info, fleet=self.fleet_entry, intake=self.intake,
+            config_info, fleet=self.fleet_entry, intake=self.intake, run_info=run_info,
         )
         self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
         self.control.on_evict_scope = self.intake.forget_tenant
@@ -150,7 +152,8 @@ class SchedulerDaemon:
         """What the web's queue gate counts of this daemon (wire/queue.py)."""
         max_queue, per_tenant = self.queue_allowance
         return queue.FleetEntry(
-            at=time.time(), taking=self.lifecycle.state is State.SERVING,
+            at=time.time(),
+            taking=self.lifecycle.state is State.SERVING and not self.core.loop_state()["stuck"],
             max_queue=max_queue, max_queue_per_tenant=per_tenant,
             drain_per_s=round(self.intake.drain_per_s(), 3), capacity=self.intake.capacity,
             held=self.intake.held())

@@ -48,6 +48,7 @@ class Heartbeat:
         config_info: dict[str, Any] | None = None,
         fleet: Callable[[], queue.FleetEntry] | None = None,
         intake: Intake | None = None,
+        run_info: dict[str, Any] | None = None,
     ) -> None:
         """``rejected``: the intake's count of jobs answered with an error before starting.
         ``fleet``: this daemon's entry in the model's fleet hash, built at each beat;
@@ -59,6 +60,7 @@ class Heartbeat:
         self.lifecycle = lifecycle
         self.rejected = rejected
         self.config_info = config_info or {}
+        self.run_info = run_info or {}
         self.started_at = time.time()
         self.running_key = protocol.running_key(daemon_id)
         self.fleet = fleet
@@ -80,6 +82,7 @@ class Heartbeat:
             "state": self.lifecycle.state.name.lower(),
             "draining": self.lifecycle.state is State.PAUSED,  # the operator's drain, in effect
             "rejected": dict(self.rejected),
+            **self.run_info,
             **self.core.snapshot(),
             **self._fleet_info(),
         }

@@ -6,6 +6,15 @@ id and starts it again when it dies (a signal or a non-zero exit), after a back-
 grows while it keeps dying quickly. The new run recovers what the old one had read
 (``Recovery.reclaim_own``); a job that was running at two deaths is quarantined.
 
+A hang is a crash too. The child's loop marks each turn it completes in a clock file the
+supervisor made (``liveness.LoopClock``; its path in ``LOOP_CLOCK_FILE``); the supervisor
+reads it twice a second and kills the child (SIGKILL) when its loop has not completed a turn
+for ``tick_deadline_s`` (TICK_DEADLINE_S), then restarts it like any other death. Nothing of
+this depends on the child's threads or locks: a native call that never returns is caught.
+
+The child learns how many times it was restarted and why the last run ended
+(``DAEMON_RESTARTS``, ``DAEMON_LAST_EXIT``); its snapshot publishes them.
+
 A clean exit (status 0: SIGTERM/SIGINT handled, or a drain) ends the supervisor too.
 SIGTERM/SIGINT sent to the supervisor go to the child, which drains and exits.
 """
@@ -13,22 +22,53 @@ SIGTERM/SIGINT sent to the supervisor go to the child, which drains and exits.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .liveness import LoopClock
 
 log = logging.getLogger("scheduler_daemon.supervisor")
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a run this long resets the back-off
+POLL_S = 0.5  # how often the watchdog reads the child's loop clock
 
 
-def supervise(argv: Sequence[str], sleep=time.sleep) -> int:
-    """Run ``argv`` until it exits cleanly or we are told to stop; returns its last status."""
+@dataclass(slots=True)
+class Exit:
+    """How one run of the child ended."""
+
+    status: int  # Popen's returncode (negative: a signal)
+    hung_s: float | None = None  # killed by the watchdog after its loop stalled this long
+
+    def describe(self) -> str:
+        if self.hung_s is not None:
+            return f"hung: no loop turn for {self.hung_s:.1f} s, killed"
+        return _describe(self.status)
+
+
+def supervise(argv: Sequence[str], sleep=time.sleep, tick_deadline_s: float = 0.0,
+              env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` until it exits cleanly or we are told to stop; returns its last status.
+    ``tick_deadline_s`` > 0: kill a child whose loop has not completed a turn that long."""
+    clock_path = LoopClock.new_file()
+    try:
+        return _supervise(argv, sleep, tick_deadline_s, env or dict(os.environ), clock_path)
+    finally:
+        clock_path.unlink(missing_ok=True)
+
+
+def _supervise(argv: Sequence[str], sleep, tick_deadline_s: float, env: dict[str, str],
+               clock_path: os.PathLike[str]) -> int:
     stopping = False
     child: subprocess.Popen | None = None
+    clock = LoopClock(clock_path)
+    last_exit = ""
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -42,17 +82,22 @@ def supervise(argv: Sequence[str], sleep=time.sleep) -> int:
     restarts = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen(list(argv))
-        status = _wait(child)
+        clock.reset()
+        child = subprocess.Popen(list(argv), env={
+            **env, "LOOP_CLOCK_FILE": str(clock_path), "DAEMON_RESTARTS": str(restarts),
+            "DAEMON_LAST_EXIT": last_exit})
+        ended = _wait(child, clock, tick_deadline_s, lambda: stopping)
+        status = ended.status
         if stopping or status == 0:
             return status
         ran_s = time.monotonic() - started
         if ran_s >= STABLE_AFTER_S:
             backoff = BACKOFF_FIRST_S
         restarts += 1
+        last_exit = ended.describe()
         log.error(
             "the scheduler daemon died (%s) after %.1f s; restart %d in %.1f s",
-            _describe(status), ran_s, restarts, backoff,
+            last_exit, ran_s, restarts, backoff,
         )
         sleep(backoff)
         backoff = min(BACKOFF_MAX_S, backoff * 2)
@@ -60,12 +105,22 @@ def supervise(argv: Sequence[str], sleep=time.sleep) -> int:
             return status
 
 
-def _wait(child: subprocess.Popen) -> int:
+def _wait(child: subprocess.Popen, clock: LoopClock, tick_deadline_s: float,
+          stopping) -> Exit:
+    """Wait for the child to end; kill it first if its loop stalls past the deadline (not
+    while it is being stopped: a drain's last turns are its own business)."""
     while True:
         try:
-            return child.wait()
-        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-            continue
+            return Exit(child.wait(timeout=POLL_S))
+        except subprocess.TimeoutExpired:
+            pass
+        stalled = clock.stalled_s()
+        if tick_deadline_s > 0 and stalled is not None and stalled > tick_deadline_s \
+                and not stopping():
+            log.error("the scheduler daemon (pid %d) has not completed a loop turn for %.1f s "
+                      "(TICK_DEADLINE_S %.1f): killing it", child.pid, stalled, tick_deadline_s)
+            child.kill()
+            return Exit(child.wait(), hung_s=stalled)
 
 
 def _describe(status: int) -> str:

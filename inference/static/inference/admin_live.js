@@ -113,7 +113,10 @@
         const c = d.config;
         return [d.daemon_id, d.model, `${d.host} / ${d.pid}`, d.heartbeat_age_s.toFixed(1) + " s ago",
                 d.uptime_s + " s",
-                el("span", {className: d.draining ? "draining" : ""}, [d.draining ? "draining" : "serving"]),
+                el("span", {className: d.stuck || d.draining ? "draining" : ""},
+                   [d.stuck ? `stuck (no loop turn for ${d.loop_stalled_s} s)`
+                            : d.draining ? "draining" : "serving",
+                    d.restarts ? ` · restarted ${d.restarts}× (last: ${d.last_exit})` : ""]),
                 `${d.slots_busy} / ${d.slots_total}`, d.queue_depth,
                 d.capacity === undefined ? "–" : `${d.held} / ${d.capacity}`,
                 d.routed_waiting ?? "–", d.routed ?? "–", d.affinity_hits ?? "–",

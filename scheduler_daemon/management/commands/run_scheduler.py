@@ -6,6 +6,7 @@ cancel what is left (clients get ``cancelled`` with the text so far), exit 0.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ from django.core.management.base import BaseCommand, CommandError
 from inference.history import DatabaseHistory
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.daemon import SchedulerDaemon
+from scheduler_daemon.liveness import LoopClock
 from scheduler_daemon.supervisor import supervise
 from wire import protocol
 
@@ -45,7 +47,32 @@ CONFIG_SETTINGS = (
     "MAX_QUEUE_PER_TENANT",
     "KV_TENANT_SHARE",
     "LOCAL_QUEUE",
+    "TICK_DEADLINE_S",
 )
+
+# Test-only (FAULT_INJECTION): a job whose prompt holds this stops the scheduler loop for good
+# at the end of the first tick it is in, holding the scheduler's lock, as a native call that
+# never returns would (the supervisor's watchdog must kill and restart the daemon).
+HANG_MARKER = "<<hang-the-loop>>"
+
+
+def hang_when_marked(daemon: SchedulerDaemon) -> None:
+    """Install the hang hook: a stand-in for a stuck sampler, outside the production loop."""
+    marked: set[str] = set()
+
+    def started(job: protocol.Job) -> None:
+        if HANG_MARKER in json.dumps([job.prompt, job.messages]):
+            marked.add(job.id)
+
+    def after_tick(_stats: object) -> None:
+        scheduler = daemon.core.scheduler
+        if marked & scheduler.request_ids():
+            log.critical("fault injection: the scheduler loop hangs now")
+            scheduler.lock.acquire()
+            threading.Event().wait()
+
+    daemon.intake.started.append(started)
+    daemon.core.tick_listeners.append(after_tick)
 
 
 class Command(BaseCommand):
@@ -80,7 +107,7 @@ class Command(BaseCommand):
             )
             argv = [sys.executable, os.path.abspath(sys.argv[0]), "run_scheduler",
                     "--grace", str(options["grace"]), "--daemon-id", daemon_id]
-            status = supervise(argv)
+            status = supervise(argv, tick_deadline_s=settings.TICK_DEADLINE_S)
             if status != 0:
                 raise CommandError(f"the supervised daemon ended with status {status}")
             return
@@ -104,6 +131,10 @@ class Command(BaseCommand):
         caps = capacity * protocol.MAX_CHOICES
         core = InferenceCore.from_settings(max_queue=caps, max_queue_per_tenant=caps)
         log.info("model loaded in %.1f s", time.monotonic() - t0)
+        if os.environ.get("LOOP_CLOCK_FILE"):  # supervised: the watchdog reads the loop's marks
+            core.clock = LoopClock(os.environ["LOOP_CLOCK_FILE"])
+        if settings.TICK_DEADLINE_S > 0:  # "stuck" is shown before the watchdog kills
+            core.stuck_after_s = min(core.stuck_after_s, settings.TICK_DEADLINE_S / 2)
         daemon = SchedulerDaemon(
             core,
             client,
@@ -115,7 +146,11 @@ class Command(BaseCommand):
             history=DatabaseHistory(),
             capacity=capacity,
             queue_allowance=(settings.MAX_QUEUE, settings.MAX_QUEUE_PER_TENANT),
+            run_info={"restarts": int(os.environ.get("DAEMON_RESTARTS") or 0),
+                      "last_exit": os.environ.get("DAEMON_LAST_EXIT") or None},
         )
+        if settings.FAULT_INJECTION:
+            hang_when_marked(daemon)
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
         core.start()
         daemon.start()

@@ -1,0 +1,139 @@
+"""A hang is a crash: the supervisor kills a daemon whose loop stops turning, and restarts it.
+
+The supervisor's watchdog reads the child's loop clock (scheduler_daemon/liveness.py) from
+its own process. First with a stand-in child (a few lines of Python that mark the clock, then
+stop marking), then with a real daemon (Gemma) whose loop is stopped for good by the
+composition root's test hook (``run_scheduler.HANG_MARKER``, under ``FAULT_INJECTION``):
+it holds the scheduler's lock and never returns, as a sampler stuck in native code would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scheduler_daemon import supervisor
+from scheduler_daemon.intake import job_fingerprint
+from scheduler_daemon.management.commands.run_scheduler import HANG_MARKER
+from tests.live_service import wait_until
+from wire import protocol
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    from scheduler_daemon.liveness import LoopClock
+    runs = open(sys.argv[1], "a")
+    runs.write(f"{os.environ['DAEMON_RESTARTS']}|{os.environ['DAEMON_LAST_EXIT']}\\n")
+    runs.close()
+    clock = LoopClock(os.environ["LOOP_CLOCK_FILE"])
+    behaviour = sys.argv[2].split(",")[int(os.environ["DAEMON_RESTARTS"])]
+    if behaviour == "unarmed":  # never marks (a model still loading): not a hang
+        time.sleep(1.5)
+        sys.exit(0)
+    for _ in range(5):
+        clock.mark()
+        time.sleep(0.05)
+    if behaviour == "hang":
+        time.sleep(3600)
+    if behaviour == "drain":  # stops its loop on purpose, then takes its time to exit
+        clock.stop()
+        time.sleep(1.5)
+    sys.exit(0)
+""")
+
+
+@pytest.fixture
+def signals_restored():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def supervise_child(tmp_path, behaviours: str, deadline_s: float) -> tuple[int, list[str]]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runs = tmp_path / "runs.txt"
+    status = supervisor.supervise(
+        [sys.executable, str(script), str(runs), behaviours], sleep=lambda _s: None,
+        tick_deadline_s=deadline_s,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return status, runs.read_text().splitlines()
+
+
+def test_a_child_whose_loop_stops_turning_is_killed_and_restarted(tmp_path, signals_restored):
+    status, runs = supervise_child(tmp_path, "hang,hang,exit", deadline_s=0.5)
+    assert status == 0
+    assert [r.split("|")[0] for r in runs] == ["0", "1", "2"]
+    assert runs[0] == "0|"
+    assert runs[1].startswith("1|hung: no loop turn for ") and runs[1].endswith(" s, killed")
+
+
+@pytest.mark.parametrize("behaviour", ["unarmed", "drain"])
+def test_a_loop_not_yet_started_or_stopped_on_purpose_is_no_hang(tmp_path, signals_restored,
+                                                                  behaviour):
+    status, runs = supervise_child(tmp_path, behaviour, deadline_s=0.5)
+    assert status == 0 and runs == ["0|"]  # one run: never killed
+
+
+# -- a real daemon ------------------------------------------------------------------------
+
+LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
+DEADLINE_S = 6.0  # TICK_DEADLINE_S here: "stuck" is published after half of it
+
+
+def hang_job(daemon):
+    return daemon.enqueue(prompt=f"Say {HANG_MARKER} now", params={"max_tokens": 8},
+                          tenant_id="7", cache_scope="7")
+
+
+def wait_for_restart(daemon, old_pid: int) -> dict:
+    wait_until(lambda: daemon.snapshot().get("pid") not in (None, old_pid), timeout_s=120)
+    return daemon.snapshot()
+
+
+@pytest.mark.slow
+def test_a_hung_loop_is_shown_stuck_then_killed_restarted_and_its_request_quarantined(
+        make_daemon):
+    from inference.health import health_report
+
+    daemon = make_daemon(FAULT_INJECTION="true", TICK_DEADLINE_S=str(DEADLINE_S),
+                         N_PARALLEL="2").start(supervise=True)
+    first = daemon.snapshot()
+    assert first["loop"] == {**first["loop"], "stuck": False, "running": True}
+    hang = hang_job(daemon)
+    # stuck, not gone: the heartbeat goes on while the loop holds the scheduler's lock
+    wait_until(lambda: daemon.snapshot().get("loop", {}).get("stuck"), timeout_s=60)
+    stuck = daemon.snapshot()
+    assert stuck["pid"] == first["pid"] and stuck["stale"] is True
+    report = health_report()
+    mine = [d for d in report["daemons"] if d["daemon_id"] == daemon.daemon_id]
+    assert mine and mine[0]["stuck"] is True
+    # another tenant's request sent meanwhile waits in Redis (a stuck daemon takes nothing)
+    other = daemon.enqueue(prompt="Tell me a long story.", params=LONG, tenant_id="8",
+                           cache_scope="8")
+    second = wait_for_restart(daemon, first["pid"])
+    assert second["restarts"] >= 1 and second["last_exit"].startswith("hung: ")
+    # the hang request runs again there, hangs again, and is quarantined at the second hang;
+    # the other tenant's stream (present at one hang) is continued and completes
+    _, kind, data = daemon.events(hang.id, timeout_s=180)[-1]
+    assert kind == "error" and data["code"] == "request_quarantined", data
+    events = daemon.events(other.id, timeout_s=180)
+    _, kind, data = events[-1]
+    assert (kind, data["finish_reason"]) == ("done", "length"), events[-1]
+    tokens = [d for _, k, d in events if k == "token"]
+    assert sum(d["n_tokens"] for d in tokens) == LONG["max_tokens"]
+    third = daemon.snapshot()
+    assert third["restarts"] == 2 and third["loop"]["stuck"] is False
+    log = daemon.log_path.read_text()
+    assert log.count("has not completed a loop turn for") == 2
+    again = hang_job(daemon)  # refused before it reaches the loop: no third hang
+    _, kind, data = daemon.events(again.id)[-1]
+    assert kind == "error" and data["code"] == "request_quarantined"
+    assert daemon.snapshot()["pid"] == third["pid"]
+    daemon.redis.hdel(protocol.QUARANTINE_HASH, job_fingerprint(hang))

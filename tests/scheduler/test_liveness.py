@@ -1,0 +1,135 @@
+"""The loop's liveness is readable while the loop is stuck, and nothing that reads it waits.
+
+A fake engine whose decode never returns stands in for a native call that hangs (outside the
+scheduler's lock, as ``llama_decode`` runs), and a loop that holds the scheduler's lock for
+good stands in for a sampler that hangs (sampling runs under it). The real hang, with the
+supervisor's watchdog killing the daemon, is tests/daemon/test_watchdog.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from scheduler_daemon.core import InferenceCore
+from scheduler_daemon.liveness import RUNNING, STOPPED, UNARMED, LoopClock
+from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.state import FinishedEvent, Request
+from wire.sampling import SamplingParams
+
+from .fake_engine import FakeEngine
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def in_thread(fn, timeout_s: float = 5.0):
+    """Run ``fn`` on another thread; its result, or an assertion error if it blocks."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{fn} blocked"
+    return out[0]
+
+
+def make_core() -> tuple[InferenceCore, FakeEngine, list[FinishedEvent]]:
+    engine = FakeEngine()
+    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
+    core.stuck_after_s = 0.3
+    ends: list[FinishedEvent] = []
+    core.listeners.append(lambda e: ends.append(e) if isinstance(e, FinishedEvent) else None)
+    return core, engine, ends
+
+
+def submit(core: InferenceCore, request_id: str, max_tokens: int = 50) -> None:
+    core.scheduler.submit(Request(id=request_id, prompt_tokens=[1, 2, 3, 4],
+                                  params=SamplingParams(max_tokens=max_tokens)))
+
+
+def test_the_clock_is_unarmed_then_running_then_stopped(tmp_path):
+    path = LoopClock.new_file()
+    try:
+        writer, reader = LoopClock(path), LoopClock(path)  # two mappings of one file
+        assert reader.read()[0] == UNARMED and reader.stalled_s() is None
+        writer.mark()
+        writer.mark()
+        state, turns, _ = reader.read()
+        assert (state, turns) == (RUNNING, 2) and reader.stalled_s() < 5
+        assert reader.stalled_s(now=time.monotonic() + 100) > 99
+        writer.stop()
+        assert reader.read()[0] == STOPPED and reader.stalled_s() is None
+        writer.reset()
+        assert reader.read() == (UNARMED, 0, 0.0)
+    finally:
+        path.unlink()
+
+
+def test_an_idle_loop_keeps_marking_and_a_stopped_one_is_not_watched():
+    core, _, _ = make_core()
+    core.start()
+    try:
+        wait_until(lambda: core.loop_state()["turns"] >= 3)  # idle waits are turns too
+        state = core.loop_state()
+        assert state["running"] and not state["stuck"]
+    finally:
+        core.stop(grace_s=1)
+    assert core.loop_state() == {"turns": core.clock.turns, "stalled_s": None, "stuck": False,
+                                 "running": False}
+
+
+def test_a_decode_that_never_returns_shows_as_stuck_and_nothing_waits_for_it():
+    core, engine, ends = make_core()
+    release = threading.Event()
+    engine.on_decode = lambda rows: release.wait()
+    core.start()
+    try:
+        submit(core, "a")
+        wait_until(lambda: core.loop_state()["stuck"])
+        snap = in_thread(core.snapshot)
+        assert snap["loop"]["stuck"] and snap["loop"]["stalled_s"] > 0.3
+        assert in_thread(lambda: core.cancel("a")) is True
+        release.set()  # the call returns after all: the loop goes on, the cancel applies
+        wait_until(lambda: [e.request_id for e in ends] == ["a"])
+        assert ends[0].finish_reason == "cancelled"
+        wait_until(lambda: not core.loop_state()["stuck"])
+    finally:
+        release.set()
+        core.stop(grace_s=1)
+
+
+def test_a_loop_stuck_holding_the_lock_still_gives_a_snapshot_and_takes_cancels():
+    core, engine, ends = make_core()
+    hold, release = threading.Event(), threading.Event()
+
+    def stuck_under_the_lock(_stats) -> None:  # as a sampler that never returns would be
+        if hold.is_set():
+            with core.scheduler.lock:
+                release.wait()
+
+    core.tick_listeners.append(stuck_under_the_lock)
+    core.start()
+    try:
+        submit(core, "a", max_tokens=1000)
+        wait_until(lambda: core.snapshot()["slots"][0]["state"] == "generating")
+        hold.set()
+        wait_until(lambda: core.loop_state()["stuck"])
+        wait_until(lambda: core.scheduler.lock.acquire(blocking=False) is False)
+        snap = in_thread(core.snapshot)
+        assert snap["stale"] is True and snap["loop"]["stuck"]
+        assert snap["slots"][0]["state"] == "generating"  # the last state it could read
+        assert in_thread(lambda: core.cancel("a")) is True  # deferred: the lock is taken
+        assert ends == []
+        hold.clear()
+        release.set()
+        wait_until(lambda: [e.request_id for e in ends] == ["a"])
+        assert ends[0].finish_reason == "cancelled"  # the deferred cancel applied
+        assert "stale" not in core.snapshot()
+    finally:
+        hold.clear()
+        release.set()
+        core.stop(grace_s=1)
