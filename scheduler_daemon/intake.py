@@ -63,9 +63,11 @@ FAULT_MARKER = "__abort_the_daemon__"
 
 
 def job_fingerprint(job: protocol.Job) -> str:
-    """What makes a job the same request again, whoever sends it and under whatever id: the
-    quarantine's key (a poison request sent anew is still refused)."""
+    """What makes a job the same request again, under whatever id: the quarantine's key (a
+    poison request sent anew is still refused). Its tenant is part of it: another tenant's
+    copies neither count a death for it nor are refused with it (docs/daemon.md)."""
     body = {
+        "tenant": job.tenant_id,
         "kind": job.kind,
         "model": job.model,
         "prompt": job.prompt,
@@ -316,7 +318,8 @@ class Intake:
             pipe.hget(protocol.QUARANTINE_HASH, fingerprint)
             # Before any native code sees the job: if it kills this daemon, the next one
             # knows the job was running here (recovery.py). Its terminal event removes it.
-            pipe.hset(self.running_key, job.id, fingerprint)
+            pipe.hset(self.running_key, job.id,
+                      protocol.running_entry(self.recovery.run_id, fingerprint))
             self._publish_affinity(pipe, job)
             return pipe.execute()[:4]
 

@@ -6,10 +6,14 @@ the same id at start (``reclaim_own``) and by every daemon, every few seconds, f
 consumers whose heartbeat key is gone (``reclaim_dead``):
 
 - a job whose stream already ended is acknowledged;
-- a job that was *running* there (in ``llm:running:<id>``) adds a death to its
-  fingerprint; at ``QUARANTINE_AFTER_DEATHS`` it is quarantined: ``llm:quarantine``
-  records the fingerprint, the request ends with ``request_quarantined`` (400), and any
-  later job with that fingerprint is refused before it reaches the engine;
+- a job that was *running* there (in ``llm:running:<id>``, with the run that started it)
+  adds that death (the daemon id and the run: ``protocol.death_id``) to its fingerprint's
+  set of deaths. Copies of one fingerprint at one death, and two daemons recovering the
+  same death, add it once (one Lua script: ``protocol.COUNT_DEATH``). At
+  ``QUARANTINE_AFTER_DEATHS`` distinct deaths it is quarantined: ``llm:quarantine`` records
+  the fingerprint, the request ends with ``request_quarantined`` (400), and any later job
+  with that fingerprint is refused before it reaches the engine. The fingerprint includes
+  the tenant (``intake.job_fingerprint``): one tenant's copies never count for another's;
 - any other job is taken over (its owner key moves from the dead daemon to this one, a
   compare-and-set the web's give-up cannot also win: ``wire/ownership.py``) and goes back
   into the prepare queue: served from the start if no token event went out, else
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +45,7 @@ from .state import Continuation
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_AFTER_DEATHS = 2  # a job running at this many daemon deaths is never run again
+QUARANTINE_AFTER_DEATHS = protocol.QUARANTINE_AFTER_DEATHS
 # XCLAIM's min idle time: a dead daemon's entries have been idle at least this long (its
 # heartbeat key outlives it by more), and a claim resets the idle time, so when two daemons
 # reclaim the same dead one at once only the first claim of each entry wins (at 0 the
@@ -85,6 +90,11 @@ class Recovery:
         self.requeue = requeue
         self.refuse = refuse
         self._take = client.register_script(ownership.TAKE)
+        self._count_death_script = client.register_script(protocol.COUNT_DEATH)
+        self._forget_running = client.register_script(protocol.FORGET_RUNNING)
+        # This process's run of the daemon id: recorded with each job it starts (intake.py),
+        # so a death is this run's, not every run's of the id (the supervisor restarts it).
+        self.run_id = uuid.uuid4().hex[:12]
         # CONTINUE_STREAMS: continue a request that had streamed tokens; off: it ends with
         # inference_interrupted (a request served from the start is not affected)
         self.continue_streams = True
@@ -141,41 +151,54 @@ class Recovery:
             entries.append(found[0] if found else (p["message_id"], {}))  # {}: trimmed away
         if entries:
             log.warning("recovering %d jobs of this daemon's previous run", len(entries))
-        return self._recover_all(entries, self.daemon_id)
+        recovered = self._recover_all(entries, self.daemon_id)
+        # What earlier runs left without a pending entry (ended, its record not yet deleted)
+        running_key = protocol.running_key(self.daemon_id)
+        stale = [(k, v) for k, v in self.redis.hgetall(running_key).items()
+                 if protocol.parse_running_entry(as_text(v))[0] != self.run_id]
+        if stale:
+            self._forget_running([running_key], [x for kv in stale for x in kv])
+        return recovered
 
     def _recover_all(self, claimed: list[tuple[Any, Any]], dead: str) -> int:
-        """Recover each claimed entry of the daemon ``dead``; its running record goes after."""
+        """Recover each claimed entry of the daemon ``dead``; the running records of these
+        jobs go after (only theirs: another daemon may be recovering the rest, and a later
+        run of the same id may have written its own since)."""
         running_key = protocol.running_key(dead)
         started = {as_text(k): as_text(v) for k, v in self.redis.hgetall(running_key).items()}
+        recovered: list[str] = []
         for entry_id, fields in claimed:
             if not fields:  # the entry was deleted: nothing left to serve
                 self.done_with(entry_id)
                 continue
             try:
-                self._recover(as_text(entry_id), fields, dead, started)
+                job = protocol.Job.decode(fields)
+                recovered.append(job.id)
+                self._recover(as_text(entry_id), job, dead, started.get(job.id))
             except redis.RedisError:
                 raise
             except Exception:
                 log.exception("recovering job entry %s failed; dropping it", entry_id)
                 self.done_with(entry_id)
-        self.redis.delete(running_key)
+        read = [x for job_id in recovered if job_id in started for x in (job_id, started[job_id])]
+        if read:
+            self._forget_running([running_key], read)
         return len(claimed)
 
-    def _recover(
-        self, entry_id: str, fields: dict[Any, Any], dead: str, started: dict[str, str]
-    ) -> None:
-        """One job a dead daemon had read (see the module docstring)."""
-        job = protocol.Job.decode(fields)
+    def _recover(self, entry_id: str, job: protocol.Job, dead: str, running: str | None) -> None:
+        """One job a dead daemon had read (see the module docstring); ``running``: its entry
+        in the dead daemon's running hash (None: it had not started there)."""
         events = [protocol.decode_event(f) for _, f in self.redis.xrange(
             protocol.events_stream(job.id))]
         if any(kind in protocol.TERMINAL for kind, _ in events):
             self.done_with(entry_id)
             return
-        fingerprint = started.get(job.id)
-        if fingerprint is not None:
-            deaths = self._count_death(fingerprint)
-            log.warning("job %s was running when daemon %s died (%d deaths)", job.id, dead, deaths)
-            if deaths >= QUARANTINE_AFTER_DEATHS:
+        if running is not None:
+            run_id, fingerprint = protocol.parse_running_entry(running)
+            deaths = self._count_death(fingerprint, protocol.death_id(dead, run_id))
+            log.warning("job %s was running when run %s of daemon %s died (%d distinct deaths)",
+                        job.id, run_id or "?", dead, len(deaths))
+            if len(deaths) >= QUARANTINE_AFTER_DEATHS:
                 self._quarantine(entry_id, job, fingerprint, dead, deaths)
                 return
         if not self._take(*ownership.take_args(job.id, self.daemon_id, dead, "")):
@@ -206,15 +229,14 @@ class Recovery:
         pipe.xdel(self.jobs_stream, entry_id)
         pipe.execute()
 
-    def _count_death(self, fingerprint: str) -> int:
-        key = protocol.deaths_key(fingerprint)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(key)
-        pipe.expire(key, protocol.DEATHS_TTL_S)
-        return int(pipe.execute()[0])
+    def _count_death(self, fingerprint: str, death: str) -> list[str]:
+        """Add ``death`` to the fingerprint's deaths (once, whoever adds it); every death it
+        was running at."""
+        members = self._count_death_script(*protocol.count_death_args(fingerprint, death))
+        return sorted(as_text(m) for m in members)
 
     def _quarantine(
-        self, entry_id: str, job: protocol.Job, fingerprint: str, dead: str, deaths: int
+        self, entry_id: str, job: protocol.Job, fingerprint: str, dead: str, deaths: list[str]
     ) -> None:
         """Record the job's fingerprint as poison (the admin lists and releases them) and end
         it with ``request_quarantined``."""
@@ -223,13 +245,14 @@ class Recovery:
             "tenant_id": job.tenant_id,
             "model": job.model,
             "kind": job.kind,
-            "deaths": deaths,
+            "deaths": len(deaths),
+            "death_ids": deaths,  # "<daemon id>/<run id>" each
             "last_daemon": dead,
             "at": time.time(),
         }
         self.redis.hset(protocol.QUARANTINE_HASH, fingerprint, json.dumps(record))
-        log.error("quarantined request %s (tenant %s): %d daemon deaths", job.id, job.tenant_id,
-                  deaths)
+        log.error("quarantined request %s (tenant %s): running at %d daemon deaths (%s)",
+                  job.id, job.tenant_id, len(deaths), ", ".join(deaths))
         self.writer.track(job.id, job.tenant_id, job.retention())
         self.refuse(job.id, entry_id, quarantined_refusal())
 
@@ -260,8 +283,8 @@ def takeover_of(events: list[tuple[str, dict[str, Any]]]) -> Takeover | None:
 def quarantined_refusal() -> Refusal:
     return Refusal(
         protocol.REQUEST_QUARANTINED,
-        "This request was running each time a scheduler daemon crashed; it will not be run "
-        "again.",
+        f"This request was running at {QUARANTINE_AFTER_DEATHS} separate scheduler daemon "
+        "failures (a crash, or a hang the watchdog ended); it will not be run again.",
     )
 
 

@@ -156,16 +156,46 @@ def decode_command(fields: dict[Any, Any]) -> dict[str, Any]:
     return json.loads(raw)
 
 
-# Containment of native crashes (what a daemon was running when it died, and poison jobs):
-# Running    ``llm:running:<daemon id>``  hash: request id -> job fingerprint, for every job
-#                                         the daemon has started and not ended (written
-#                                         before any native code sees the job)
-# Deaths     ``llm:deaths:<fingerprint>`` daemon deaths with that job running
+# Containment of native crashes and hangs (what a daemon was running when it died, and
+# poison jobs). A *death* is one run of one daemon ending uncleanly (a crash, a kill, the
+# watchdog's kill of a hung loop); a run is one process under the daemon id (the supervisor
+# restarts it under the same id), named by a run id the process draws at start.
+# Running    ``llm:running:<daemon id>``  hash: request id -> ``running_entry``: the run id and
+#                                         the job fingerprint, for every job the daemon has
+#                                         started and not ended (written before any native
+#                                         code sees the job)
+# Deaths     ``llm:deaths:<fingerprint>`` set of the deaths (``death_id``) the job was running
+#                                         at; copies of it at one death add one member
 # Quarantine ``llm:quarantine``           hash: fingerprint -> JSON record; such jobs are
 #                                         refused with request_quarantined (admin releases)
 RUNNING_TTL_S = 24 * 3600  # refreshed by every heartbeat
 DEATHS_TTL_S = 24 * 3600
 QUARANTINE_HASH = f"{PREFIX}:quarantine"
+QUARANTINE_AFTER_DEATHS = 2  # distinct deaths a fingerprint was running at before it is refused
+
+# KEYS[1] the fingerprint's deaths set. ARGV[1] the death (``death_id``), ARGV[2] the set's
+# TTL. Adds the death once, however many copies of the job ran at it and however many
+# daemons recover them at once; returns every death of the set. (A string left by a daemon
+# that counted with INCR is replaced: its count names no death.)
+COUNT_DEATH = """
+local deaths_key, death, ttl = KEYS[1], ARGV[1], ARGV[2]
+if redis.call('TYPE', deaths_key).ok ~= 'set' then redis.call('DEL', deaths_key) end
+redis.call('SADD', deaths_key, death)
+redis.call('EXPIRE', deaths_key, ttl)
+return redis.call('SMEMBERS', deaths_key)
+"""
+
+# KEYS[1] a dead daemon's running hash. ARGV pairs: request id, the entry read for it. Deletes
+# each entry still as read: an entry a later run of the same id wrote since is kept.
+FORGET_RUNNING = """
+local running_key = KEYS[1]
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', running_key, ARGV[i]) == ARGV[i + 1] then
+    redis.call('HDEL', running_key, ARGV[i])
+  end
+end
+return 0
+"""
 
 
 GONE_TTL_S = 600
@@ -183,6 +213,27 @@ def running_key(daemon_id: str) -> str:
 
 def deaths_key(fingerprint: str) -> str:
     return f"{PREFIX}:deaths:{fingerprint}"
+
+
+def running_entry(run_id: str, fingerprint: str) -> str:
+    """The running hash's value for a job started by run ``run_id``."""
+    return f"{run_id}:{fingerprint}"
+
+
+def parse_running_entry(entry: str) -> tuple[str, str]:
+    """(run id, fingerprint) of a running hash's value ("" for a run that wrote none)."""
+    run_id, _, fingerprint = entry.rpartition(":")
+    return run_id, fingerprint
+
+
+def death_id(daemon_id: str, run_id: str) -> str:
+    """One death: the run ``run_id`` of the daemon ``daemon_id`` ended uncleanly."""
+    return f"{daemon_id}/{run_id}"
+
+
+def count_death_args(fingerprint: str, death: str) -> tuple[list[str], list[Any]]:
+    """(keys, args) of COUNT_DEATH."""
+    return [deaths_key(fingerprint)], [death, DEATHS_TTL_S]
 
 
 @dataclass(slots=True)

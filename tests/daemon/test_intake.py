@@ -87,9 +87,10 @@ def test_a_chat_job_passes_its_messages_and_a_completion_its_prompt():
     assert (completion["max_queued"], completion["session"]) == (3, "s")
 
 
-def test_a_fingerprint_ignores_ids_and_tenants_but_not_the_request():
-    one, two = job(prompt="hello", tenant_id="A"), job(prompt="hello", tenant_id="B")
-    assert job_fingerprint(one) == job_fingerprint(two)
+def test_a_fingerprint_ignores_ids_but_not_the_tenant_or_the_request():
+    one, two = job(prompt="hello", tenant_id="A"), job(prompt="hello", tenant_id="A")
+    assert one.id != two.id and job_fingerprint(one) == job_fingerprint(two)
+    assert job_fingerprint(one) != job_fingerprint(job(prompt="hello", tenant_id="B"))
     two.params = {"max_tokens": 5}
     assert job_fingerprint(one) != job_fingerprint(two)
 

@@ -1,20 +1,26 @@
-"""Reclaiming a dead daemon's jobs when two live daemons reclaim at once (found in review;
-real Redis, no model).
+"""Reclaiming a dead daemon's jobs (real Redis, no model).
 
 Every daemon runs ``reclaim_dead`` every few seconds. Two of them can list the same dead
 consumer and its pending entries before either claims: with ``XCLAIM`` at idle time 0 the
 second claim took the entries back from the first, and both served the job (two
 ``accepted``, two ends on one stream, the tenant billed twice). A claim now needs the entry
 idle for a while, and claiming resets that: only one daemon wins each entry.
+
+The quarantine counts distinct deaths (a run of a daemon id ending uncleanly): copies of a
+request at one death, and two daemons recovering one death, count it once; a request
+running at two deaths (two runs of one id, restarted as the supervisor does) is refused.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from typing import Any
 
+from scheduler_daemon.intake import job_fingerprint
 from scheduler_daemon.recovery import Recovery
-from tests.live_service import redis_conn
+from tests.live_service import redis_conn, wait_until
 from wire import protocol
 
 
@@ -77,3 +83,176 @@ def test_a_dead_daemons_entries_too_recent_to_claim_are_not_dropped_with_its_con
         assert b"dead-daemon" not in names
     finally:
         client.delete(stream)
+
+
+# -- the quarantine counts distinct deaths -----------------------------------------------------
+
+
+class Ends:
+    """The writer and refuse callback of a Recovery: what each job became."""
+
+    def __init__(self) -> None:
+        self.served: list[str] = []  # requeued here (served again or continued)
+        self.refused: list[tuple[str, str]] = []  # (request id, code)
+
+    def track(self, *_: Any) -> None:
+        pass
+
+    def terminal(self, request_id: str, _entry: str, kind: str, data: dict[str, Any]) -> None:
+        self.refused.append((request_id, data["code"]))
+
+    def recovery(self, client, stream: str, daemon_id: str) -> Recovery:
+        return Recovery(client, stream, daemon_id, self,
+                        lambda _e, job, _t: self.served.append(job.id),
+                        lambda request_id, _e, refusal: self.refused.append(
+                            (request_id, refusal.code)))
+
+
+class DeadRun:
+    """Jobs read by one run of a daemon id that then died: its pending entries and its
+    running hash, as intake.py writes them."""
+
+    def __init__(self, client, daemon_id: str) -> None:
+        self.redis, self.daemon_id = client, daemon_id
+        self.stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+        client.xgroup_create(self.stream, protocol.JOBS_GROUP, id="0", mkstream=True)
+        self.jobs: list[protocol.Job] = []
+        self.entries: dict[str, bytes] = {}  # request id -> its jobs stream entry
+
+    def read(self, *jobs: protocol.Job) -> None:
+        for job in jobs:
+            self.entries[job.id] = self.redis.xadd(self.stream, job.encode())
+        self.redis.xreadgroup(protocol.JOBS_GROUP, self.daemon_id, {self.stream: ">"})
+        self.jobs.extend(jobs)
+
+    def start(self, run_id: str, *jobs: protocol.Job) -> None:
+        """Run ``run_id`` starts ``jobs`` (as intake.py records them before native code)."""
+        for job in jobs:
+            self.redis.hset(protocol.running_key(self.daemon_id), job.id,
+                            protocol.running_entry(run_id, job_fingerprint(job)))
+
+    def deaths(self, job: protocol.Job) -> set[str]:
+        return {m.decode() for m in
+                self.redis.smembers(protocol.deaths_key(job_fingerprint(job)))}
+
+    def quarantined(self, job: protocol.Job) -> bool:
+        return bool(self.redis.hexists(protocol.QUARANTINE_HASH, job_fingerprint(job)))
+
+    def clean(self) -> None:
+        for job in self.jobs:
+            self.redis.delete(protocol.deaths_key(job_fingerprint(job)),
+                              protocol.owner_key(job.id))
+            self.redis.hdel(protocol.QUARANTINE_HASH, job_fingerprint(job))
+        self.redis.delete(self.stream, protocol.running_key(self.daemon_id))
+
+
+def same_request(tenant_id: str = "1") -> protocol.Job:
+    """A common request: every copy has the same content (and so, per tenant, the same
+    fingerprint)."""
+    return protocol.Job(id=uuid.uuid4().hex, kind="chat", model="m", tenant_id=tenant_id,
+                        cache_scope=tenant_id, messages=[{"role": "user", "content": "Hi"}],
+                        params={"max_tokens": 16})
+
+
+def test_copies_of_one_request_at_one_death_count_once_and_all_go_on():
+    client = redis_conn()
+    run = DeadRun(client, f"d-{uuid.uuid4().hex[:6]}")
+    copies = [same_request("1"), same_request("1"), same_request("2")]
+    try:
+        run.read(*copies)
+        run.start("run1", *copies)
+        ends = Ends()
+        ends.recovery(client, run.stream, run.daemon_id).reclaim_own()  # restarted, same id
+        assert ends.refused == []
+        assert ends.served == [job.id for job in copies]
+        assert run.deaths(copies[0]) == {f"{run.daemon_id}/run1"}
+        assert not any(run.quarantined(job) for job in copies)
+        assert not client.hlen(protocol.running_key(run.daemon_id))  # the dead run's records
+    finally:
+        run.clean()
+
+
+def test_a_request_running_at_two_deaths_of_one_daemon_id_is_quarantined():
+    client = redis_conn()
+    run = DeadRun(client, f"d-{uuid.uuid4().hex[:6]}")
+    job = same_request()
+    try:
+        run.read(job)
+        run.start("run1", job)
+        first = Ends()
+        second_run = first.recovery(client, run.stream, run.daemon_id)
+        second_run.reclaim_own()
+        assert first.served == [job.id] and first.refused == []
+        run.start(second_run.run_id, job)  # the restarted run starts it again, and dies too
+        third = Ends()
+        third.recovery(client, run.stream, run.daemon_id).reclaim_own()
+        assert third.refused == [(job.id, protocol.REQUEST_QUARANTINED)]
+        assert third.served == []
+        record = json.loads(client.hget(protocol.QUARANTINE_HASH, job_fingerprint(job)))
+        assert record["deaths"] == 2 and record["request_id"] == job.id
+        assert record["death_ids"] == sorted([f"{run.daemon_id}/run1",
+                                              f"{run.daemon_id}/{second_run.run_id}"])
+    finally:
+        run.clean()
+
+
+def test_another_tenants_copy_at_another_death_quarantines_nothing():
+    """Tenant 2's copy of a request was running at one death, tenant 1's at another: neither
+    tenant's request was present at two deaths."""
+    client = redis_conn()
+    run = DeadRun(client, f"d-{uuid.uuid4().hex[:6]}")
+    theirs, mine = same_request("2"), same_request("1")
+    try:
+        run.read(theirs)
+        run.start("run1", theirs)
+        ends = Ends()
+        second_run = ends.recovery(client, run.stream, run.daemon_id)
+        second_run.reclaim_own()
+        assert ends.served == [theirs.id]
+        client.xack(run.stream, protocol.JOBS_GROUP, run.entries[theirs.id])  # it ended
+        run.read(mine)
+        run.start(second_run.run_id, mine)
+        ends = Ends()
+        ends.recovery(client, run.stream, run.daemon_id).reclaim_own()
+        assert ends.served == [mine.id] and ends.refused == []
+        assert not run.quarantined(mine) and not run.quarantined(theirs)
+    finally:
+        run.clean()
+
+
+def test_two_daemons_recovering_one_death_at_once_count_it_once():
+    """The restarted daemon (its own pending jobs, at start) and another daemon (the dead
+    consumer's, every few seconds) can recover the same entry of the same death: the second
+    recovery finds the job taken over, and the death is counted once."""
+    client = redis_conn()
+    run = DeadRun(client, f"d-{uuid.uuid4().hex[:6]}")
+    job = same_request()
+    try:
+        run.read(job)
+        run.start("run1", job)
+        wait_until(lambda: all(
+            p["time_since_delivered"] >= 1100 for p in client.xpending_range(
+                run.stream, protocol.JOBS_GROUP, "-", "+", 10)), timeout_s=10)
+        other = Ends()
+        other_daemon = other.recovery(redis_conn(), run.stream, "daemon-b")
+        restarted_client = redis_conn()
+        restarted = Ends()
+        own = restarted.recovery(restarted_client, run.stream, run.daemon_id)
+        read_running = restarted_client.hgetall
+        raced: list[int] = []
+
+        def the_other_daemon_recovers_it_meanwhile(key):
+            found = read_running(key)
+            if not raced:  # after the restarted daemon read the running record
+                raced.append(other_daemon.reclaim_dead(dead_idle_ms=0))
+            return found
+
+        restarted_client.hgetall = the_other_daemon_recovers_it_meanwhile
+        own.reclaim_own()
+        assert raced == [1]
+        assert other.served == [job.id] and other.refused == []
+        assert restarted.served == [] and restarted.refused == []  # taken over: left to b
+        assert run.deaths(job) == {f"{run.daemon_id}/run1"}
+        assert not run.quarantined(job)
+    finally:
+        run.clean()
