@@ -50,7 +50,8 @@ class TickPlan:
     ``cancelled`` and ``admitted`` already happened (requests ended, slots assigned); ``rows``
     is the batch to decode, decode rows first, all within ``token_budget`` tokens;
     ``deferred`` are prefilling requests that wait this tick because a row of the batch
-    computes their next prompt tokens (they adopt them next tick)."""
+    computes their next prompt tokens (they adopt them next tick); ``preempted`` left their
+    slots for another scope's waiting request, ``resumed`` got one back."""
 
     tick: int
     token_budget: int
@@ -58,6 +59,8 @@ class TickPlan:
     admitted: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # out of their slots for another scope
+    resumed: list[str] = field(default_factory=list)  # preempted ones given a slot again
 
     @property
     def n_tokens(self) -> int:

@@ -243,6 +243,66 @@ class PrefixCache:
         self.ram.add(scope, tokens, data, size, self._clock())
         self._event("save", scope, n, size)
 
+    # -- preemption: a request's own state out of its slot and back ------------------
+
+    def swap_out(self, req: RequestState, slot: Slot) -> bool:
+        """Save a preempted request's whole sequence to the RAM tier as its own entry (no
+        lookup matches it, no eviction takes it). False when the budget (or the scope's
+        share) cannot hold it even after evicting cached prefixes: it is recomputed when it
+        resumes. The caller frees the slot's cells."""
+        if self.ram is None or not slot.tokens:
+            return False
+        scope, tokens = req.cache_scope, slot.tokens
+        size = self.engine.state_size(slot.seq_id)
+        room = self.ram.fits(scope, size)
+        if room:
+            evicted, room = self.ram.make_room(scope, tokens, size, owned=True)
+            for entry in evicted:
+                self._event("evict", entry.cache_scope, len(entry.tokens), entry.size_bytes)
+        data = self.engine.state_save(slot.seq_id, size) if room else None
+        if data is None:
+            self.counters["preempt_unsaved"] += 1
+            return False
+        self.ram.add(scope, tokens, data, size, self._clock(), owner=req.id)
+        self.counters["preempt_saves"] += 1
+        self.counters["preempt_save_bytes"] += size
+        self.counters["preempt_save_tokens"] += len(tokens)
+        return True
+
+    def resume(self, req: RequestState, slot: Slot, slots: list[Slot]) -> int:
+        """Fill ``slot`` for a preempted request: its own saved state restored whole (then
+        only its last token is evaluated), else the prefix of its tokens the slot still holds
+        (its scope's) is kept and the rest is recomputed. Returns the tokens the slot holds."""
+        target = req.fill_tokens
+        entry = self.ram.take_owned(req.id) if self.ram is not None else None
+        keep = 0
+        if entry is None and req.cache_prompt and slot.scope == req.cache_scope:
+            keep = min(common_prefix_len(slot.tokens, target), len(target) - 1)
+        if keep < len(slot.tokens):
+            self.preserve(slot, slots, defer=True)
+            keep = self._truncate(slot, keep)
+        slot.scope = req.cache_scope if req.cache_prompt else None
+        if entry is not None:
+            n = len(entry.tokens)
+            ok = n < len(target) and entry.tokens == target[:n]
+            ok = ok and self.engine.state_restore(slot.seq_id, entry.data)
+            if ok and self.engine.kv_prefix_intact(slot.seq_id, n):
+                slot.tokens[:] = entry.tokens
+                self.counters["preempt_restores"] += 1
+                self.counters["preempt_restore_tokens"] += n
+                return n
+            self.engine.kv_remove(slot.seq_id, 0, -1)
+            self.counters["preempt_restore_failures"] += 1
+            log.warning("request %s: its saved state did not restore; recomputing", req.id)
+        self.counters["preempt_recomputes"] += 1
+        self.counters["preempt_recompute_tokens"] += len(target) - len(slot.tokens)
+        return len(slot.tokens)
+
+    def drop_owned(self, request_id: str) -> None:
+        """A preempted request ended (cancel, deadline, hand-back): its saved state goes."""
+        if self.ram is not None:
+            self.ram.take_owned(request_id)
+
     def entries(self, slots: list[Slot], now: float) -> list[dict[str, Any]]:
         """What is cached, per slot and per RAM entry: scope, size, age, hits. No token ids."""
         per_token = self.engine.kv_bytes_per_token

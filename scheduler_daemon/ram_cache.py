@@ -5,6 +5,10 @@ destroyed. It is keyed by (cache_scope, tokens) and only ever matched against pr
 the same scope. No entry is stored larger than the budget (or than one scope's share of
 it), and room is made *before* the state is copied out, so the total never passes the
 budget. Pure Python: the bytes are an opaque object the engine made and reads back.
+
+An entry may be *owned* by a request (``owner``): a preempted request's whole sequence,
+saved when it left its slot for another tenant. No lookup matches it and no eviction takes
+it; it counts against the budget until its request resumes (``take_owned``) or ends.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class RamEntry:
     last_used: float
     hits: int = 0
     id: int = field(default=0)
+    owner: str | None = None  # a preempted request's own state (never matched or evicted)
 
 
 class RamCache:
@@ -71,7 +76,7 @@ class RamCache:
         """The same-scope entry that gives the longest usable prefix of ``prompt``."""
         best, best_n = None, 0
         for entry in self._entries.values():
-            if entry.cache_scope == cache_scope:
+            if entry.cache_scope == cache_scope and entry.owner is None:
                 n = self.usable_prefix(entry, prompt, limit)
                 if n > best_n:
                     best, best_n = entry, n
@@ -82,6 +87,7 @@ class RamCache:
         n = len(tokens)
         return any(
             e.cache_scope == cache_scope
+            and e.owner is None
             and e.tokens[:n] == tokens
             and (len(e.tokens) == n or self._cuttable(e.tokens))
             for e in self._entries.values()
@@ -92,15 +98,18 @@ class RamCache:
         return size_bytes <= self.budget_bytes and size_bytes <= self.scope_limit_bytes
 
     def make_room(
-        self, cache_scope: str, tokens: list[int], size_bytes: int, protect: RamEntry | None = None
+        self, cache_scope: str, tokens: list[int], size_bytes: int, protect: RamEntry | None = None,
+        owned: bool = False,
     ) -> tuple[list[RamEntry], bool]:
         """Evict so that a new entry fits: first what it makes redundant, then the scope's
-        LRU (its share), then the global LRU. Returns (evicted entries, room made)."""
+        LRU (its share), then the global LRU; owned entries are never evicted. ``owned``: the
+        new entry is a request's own (it serves no lookup, so nothing is redundant). Returns
+        (evicted entries, room made)."""
         evicted = []
-        if self._cuttable(tokens):  # the new entry serves every lookup its own prefixes did
+        if self._cuttable(tokens) and not owned:  # it serves every lookup its prefixes did
             for e in list(self._entries.values()):
                 redundant = e.cache_scope == cache_scope and tokens[: len(e.tokens)] == e.tokens
-                if redundant and e is not protect:
+                if redundant and e is not protect and e.owner is None:
                     evicted.append(self._remove(e))
         for scoped in (True, False):
             for e in list(self._entries.values()):
@@ -110,7 +119,8 @@ class RamCache:
                     over = self.total_bytes + size_bytes > self.budget_bytes
                 if not over:
                     break
-                if e is not protect and (not scoped or e.cache_scope == cache_scope):
+                evictable = e is not protect and e.owner is None
+                if evictable and (not scoped or e.cache_scope == cache_scope):
                     evicted.append(self._remove(e))
         room = (
             self.total_bytes + size_bytes <= self.budget_bytes
@@ -119,10 +129,12 @@ class RamCache:
         return evicted, room
 
     def add(
-        self, cache_scope: str, tokens: list[int], data: Any, size_bytes: int, now: float
+        self, cache_scope: str, tokens: list[int], data: Any, size_bytes: int, now: float,
+        owner: str | None = None,
     ) -> RamEntry:
         """Store an entry; the caller made room first (``make_room``)."""
-        entry = RamEntry(cache_scope, list(tokens), data, size_bytes, now, id=self._next_id)
+        entry = RamEntry(cache_scope, list(tokens), data, size_bytes, now, id=self._next_id,
+                         owner=owner)
         self._next_id += 1
         self._entries[entry.id] = entry
         self._scope_bytes[cache_scope] = self.scope_bytes(cache_scope) + size_bytes
@@ -136,9 +148,18 @@ class RamCache:
         if entry.id in self._entries:
             self._entries.move_to_end(entry.id)
 
+    def take_owned(self, owner: str) -> RamEntry | None:
+        """Remove and return the entry a request owns (None: it has none)."""
+        for entry in self._entries.values():
+            if entry.owner == owner:
+                return self._remove(entry)
+        return None
+
     def evict_scope(self, cache_scope: str) -> int:
-        """Drop every entry of one scope (an operator's action); returns how many."""
-        doomed = [e for e in self._entries.values() if e.cache_scope == cache_scope]
+        """Drop every cached entry of one scope (an operator's action; running requests'
+        own entries stay, as their slots do); returns how many."""
+        doomed = [e for e in self._entries.values()
+                  if e.cache_scope == cache_scope and e.owner is None]
         for entry in doomed:
             self._remove(entry)
         return len(doomed)

@@ -107,6 +107,12 @@ class SchedulerConfig:
     # not before the new prompt's prefill (prefix_cache.py). The engine needs one sequence
     # more than the slots (``InferenceCore.from_settings``: N_PARALLEL + 1).
     park_seq: bool = False
+    # Preemption (PREEMPTION, PREEMPT_MIN_TOKENS): while another scope's request waits for a
+    # slot, a generating request of a scope over its fair share of the slots leaves its slot
+    # (its KV saved to the RAM tier, else recomputed) once it has generated this many tokens
+    # since it got the slot, and resumes later where it was.
+    preemption: bool = True
+    preempt_min_tokens: int = 16
 
 
 class Scheduler:
@@ -136,6 +142,7 @@ class Scheduler:
         self._slots = [Slot(seq_id=i) for i in range(n_slots)]
         self._waiting: FairQueue[str, RequestState] = FairQueue()  # keyed by cache_scope
         self._requests: dict[str, RequestState] = {}
+        self._preempted: list[RequestState] = []  # out of their slots, oldest preemption first
         self._cancels: set[str] = set()
         self._in_flight: set[str] = set()
         self.tick_rows: list[str] = []  # requests in the batch of the tick under way
@@ -285,7 +292,7 @@ class Scheduler:
                     self._used_blocks -= req.blocks
                     req.slot = None
                 else:
-                    self._waiting.remove(req.cache_scope, req)
+                    self._unqueue(req)
                 req.sampler.close()
         return [req.id for req in dropped]
 
@@ -395,7 +402,9 @@ class Scheduler:
             self.engine.abort_requested = False
             plan = TickPlan(self._tick + 1, self.engine.n_batch)
             plan.cancelled = self._apply_cancels()
-            plan.admitted = self._admit()
+            self._admit(plan)
+            if self._preempt_for_waiting(plan):
+                self._admit(plan)
             self._plan_batch(plan)
             return plan
 
@@ -514,21 +523,30 @@ class Scheduler:
                 self.fail_request(req.id, exc)
         return [r.id for r in late]
 
-    def _admit(self) -> list[str]:
+    def _admit(self, plan: TickPlan) -> None:
         """Round-robin across cache scopes (tenants), strict FIFO within each: the head is the
         oldest request of the scope whose turn it is; it waits for blocks and a slot and nobody
         overtakes it, except a session's request onto its own free slot, at most
         ``session_max_bypass`` times per head. One scope's burst delays another scope's next
-        request by at most one admission per other scope with waiting work. Returns the ids
-        admitted, in order."""
-        admitted: list[str] = []
-        while self._waiting:
+        request by at most one admission per other scope with waiting work. A preempted
+        request takes a slot back before the head unless the head's scope holds fewer slots
+        (``_next_resume``). The ids go to ``plan.admitted`` and ``plan.resumed``, in order."""
+        while self._waiting or self._preempted:
             req = self._head()
+            resume = self._next_resume(req)
+            if resume is not None:
+                fits = self._used_blocks + resume.blocks <= self._total_blocks
+                slot = self._choose_slot(resume) if fits else None
+                if slot is None:
+                    break
+                plan.resumed.append(resume.id)
+                self._resume_or_fail(resume, slot)
+                continue
             if req is None:
                 break  # every scope with waiting work is at its KV share
             bypass = self._admit_session(req)
             if bypass is not None:
-                admitted.append(bypass.id)
+                plan.admitted.append(bypass.id)
                 continue
             if self._used_blocks + req.blocks > self._total_blocks:
                 break
@@ -536,9 +554,105 @@ class Scheduler:
             if slot is None:
                 break
             self._waiting.take(req.cache_scope, req)
-            admitted.append(req.id)
+            plan.admitted.append(req.id)
             self._assign_or_fail(req, slot)
-        return admitted
+
+    def _next_resume(self, head: RequestState | None) -> RequestState | None:
+        """The preempted request the next slot goes to: of the scope holding the fewest slots
+        (the oldest preemption first), within its scope's KV share, unless ``head`` (the
+        queue's next) belongs to a scope holding fewer slots still. None: the head goes."""
+        if not self._preempted:
+            return None
+        running, held = self._scope_slots(), self._scope_held()
+        fits = [r for r in self._preempted if held[r.cache_scope] + r.blocks <= self._scope_blocks]
+        if not fits:
+            return None
+        best = min(fits, key=lambda r: running[r.cache_scope])  # ties: the oldest preemption
+        if head is not None and running[head.cache_scope] < running[best.cache_scope]:
+            return None
+        return best
+
+    def _scope_slots(self) -> Counter[str]:
+        """Slots held by each scope's running requests."""
+        return Counter(s.request.cache_scope for s in self._slots if s.request is not None)
+
+    def _preempt_for_waiting(self, plan: TickPlan) -> bool:
+        """While another scope's request waits and no slot is free, one generating request
+        of a scope over its fair share of the slots leaves its slot (``_preempt``). Fair
+        shares are max-min fair on whole slots: a scope is over its share while it holds at
+        least two slots more than a scope with a request waiting (each move evens them out,
+        so nothing goes back and forth). The victim has generated ``preempt_min_tokens``
+        since it got its slot, and the waiting request fits the KV budget once the victim's
+        blocks are back; among those, the latest arrival of the scope holding the most
+        slots. At most one a tick; True if one was preempted (the caller admits again)."""
+        if not self.config.preemption or any(s.state is SlotState.IDLE for s in self._slots):
+            return False
+        head = self._head()
+        waiting = self._next_resume(head) or head
+        if waiting is None:
+            return False
+        running = self._scope_slots()
+        least = running[waiting.cache_scope] + 2
+        eligible = [
+            s.request
+            for s in self._slots
+            if s.state is SlotState.GENERATING
+            and running[s.request.cache_scope] >= least
+            and len(s.request.output) - s.request.run_start_tokens
+            >= self.config.preempt_min_tokens
+            and self._used_blocks - s.request.blocks + waiting.blocks <= self._total_blocks
+        ]
+        if not eligible:
+            return False
+        victim = max(eligible, key=lambda r: (running[r.cache_scope], r.arrival))
+        self._preempt(victim)
+        plan.preempted.append(victim.id)
+        return True
+
+    def _preempt(self, req: RequestState) -> None:
+        """Take a generating request out of its slot: its KV saved to the RAM tier as its own
+        (``PrefixCache.swap_out``; when it does not fit, recomputed at its resume), the slot's
+        cells freed, its blocks returned. Its sampler, text stream, output, unsent tokens and
+        logprobs, and deadline stay with it: it resumes exactly where it stopped."""
+        slot = req.slot
+        saved = self.cache.swap_out(req, slot)
+        req.refill = req.prompt + req.output
+        slot.request, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
+        self._forget(slot)
+        self._used_blocks -= req.blocks
+        req.slot, req.status = None, Status.PREEMPTED
+        self._preempted.append(req)
+        self.counters["preemptions"] += 1
+        log.info("request %s (scope %s) preempted after %d tokens; state %s", req.id,
+                 req.cache_scope, len(req.output), "saved" if saved else "to recompute")
+
+    def _resume_or_fail(self, req: RequestState, slot: Slot) -> None:
+        """A preempted request back in a slot (``PrefixCache.resume``): it prefills what its
+        slot lacks of prompt + output (one token after a restore), then samples on."""
+        self._preempted.remove(req)
+        try:
+            self.cache.resume(req, slot, self._slots)
+        except Exception as exc:  # a bug: this request alone fails, never the tick
+            self._forget(slot)
+            log.error("request %s could not resume: %r", req.id, exc, exc_info=exc)
+            self.counters["request_failures"] += 1
+            self._drop(req, {"code": errors.ENGINE_ERROR, "message": "this request failed"})
+            return
+        slot.request, slot.state = req, SlotState.PREFILLING
+        slot.session = req.session if req.cache_prompt else None
+        req.slot, req.status = slot, Status.PREFILLING
+        req.run_start_tokens = len(req.output)
+        self._used_blocks += req.blocks
+        self.counters["resumes"] += 1
+
+    def _unqueue(self, req: RequestState) -> None:
+        """Take a request that holds no slot out of where it waits: the queue, or the
+        preempted list (its saved state dropped)."""
+        if req in self._preempted:
+            self._preempted.remove(req)
+            self.cache.drop_owned(req.id)
+        elif req in self._waiting:
+            self._waiting.remove(req.cache_scope, req)
 
     def _assign_or_fail(self, req: RequestState, slot: Slot) -> None:
         """``_assign``; a failure there (restoring a cached prefix...) fails this request alone
@@ -554,13 +668,16 @@ class Scheduler:
             self._drop(req, error)
 
     def _head(self) -> RequestState | None:
-        """The oldest waiting request of the first scope in turn order whose running requests
-        leave room for it within the scope's KV share (None: no such scope)."""
-        held = self._scope_held()
+        """The oldest waiting request of the scope holding the fewest slots (ties: the first
+        in turn order) among those whose running requests leave room for it within the
+        scope's KV share (None: no such scope)."""
+        held, running = self._scope_held(), self._scope_slots()
+        best = None
         for scope, req in self._waiting.heads():
-            if held[scope] + req.blocks <= self._scope_blocks:
-                return req
-        return None
+            fits = held[scope] + req.blocks <= self._scope_blocks
+            if fits and (best is None or running[scope] < running[best.cache_scope]):
+                best = req
+        return best
 
     def _scope_held(self) -> Counter[str]:
         """KV blocks reserved by each scope's running requests."""
@@ -627,6 +744,7 @@ class Scheduler:
         slot.session = req.session if req.cache_prompt else None
         req.slot, req.status = slot, Status.PREFILLING
         req.t_started = self._clock()
+        req.run_start_tokens = len(req.output)
         self._used_blocks += req.blocks
 
     def _plan_batch(self, plan: TickPlan) -> None:
@@ -653,15 +771,15 @@ class Scheduler:
             if room <= 0:
                 break
             req = slot.request
-            if req.cache_prompt and self.config.cross_slot:
+            if req.cache_prompt and self.config.cross_slot and req.refill is None:
                 self.cache.catch_up(req, slot, self._slots)
                 if self._computed_by_another(req, len(slot.tokens), plan.rows):
                     plan.deferred.append(req.id)
                     continue
-            done = len(slot.tokens)
-            take = min(self.config.chunk_size, room, len(req.prompt) - done)
-            last = done + take == len(req.prompt)
-            row = BatchRow(slot.seq_id, req.prompt[done : done + take], done, last)
+            fill, done = req.fill_tokens, len(slot.tokens)
+            take = min(self.config.chunk_size, room, len(fill) - done)
+            last = done + take == len(fill)
+            row = BatchRow(slot.seq_id, fill[done : done + take], done, last)
             plan.rows.append(PlannedRow(Phase.PREFILL, row, req, slot))
             used += take
         self._in_flight = plan.request_ids
@@ -670,7 +788,8 @@ class Scheduler:
 
     def _replan(self, plan: TickPlan, token_budget: int) -> TickPlan:
         """The same tick's batch planned again within ``token_budget`` (KV pressure)."""
-        again = TickPlan(plan.tick, token_budget, admitted=plan.admitted, cancelled=plan.cancelled)
+        again = TickPlan(plan.tick, token_budget, admitted=plan.admitted, cancelled=plan.cancelled,
+                         preempted=plan.preempted, resumed=plan.resumed)
         self._plan_batch(again)
         return again
 
@@ -681,7 +800,7 @@ class Scheduler:
             leads = p.phase is Phase.PREFILL and p.slot.scope == req.cache_scope
             if leads and p.row.pos0 <= done:
                 end = p.row.pos0 + len(p.row.tokens)
-                shared = min(common_prefix_len(p.request.prompt, req.prompt), end)
+                shared = min(common_prefix_len(p.request.fill_tokens, req.prompt), end)
                 if shared - done >= SHARED_PREFILL_MIN_TOKENS:
                     return True
         return False
@@ -753,8 +872,8 @@ class Scheduler:
         """The last resort when ``_finish`` itself failed: forget the request, free what it
         held, still send its end (no text tail: decoding it is what may have failed)."""
         self._requests.pop(req.id, None)
-        if req.slot is None and req in self._waiting:
-            self._waiting.remove(req.cache_scope, req)
+        if req.slot is None:
+            self._unqueue(req)
         if req.slot is not None and req.slot.request is req:
             req.slot.request, req.slot.state = None, SlotState.IDLE
             self._forget(req.slot)
@@ -768,10 +887,13 @@ class Scheduler:
         self._emit(FinishedEvent(req.id, "error", self._stats(req, self._clock()), error=error))
 
     def _note_first_token(self, req: RequestState, now: float) -> None:
+        """A token sampled at the end of a prefill (the prompt's, or a resume's refill)."""
         if req.t_first_token is None:
             req.t_first_token = now
+        if req.status is Status.PREFILLING:
             req.status = Status.GENERATING
             req.slot.state = SlotState.GENERATING
+            req.refill = None
 
     def _on_token(self, req: RequestState, token: int, now: float,
                   logprob: dict[str, Any] | None = None) -> None:
@@ -817,7 +939,7 @@ class Scheduler:
             self._release(req.slot, keep_cache=req.cache_prompt and error is None)
             self._used_blocks -= req.blocks
         else:
-            self._waiting.remove(req.cache_scope, req)
+            self._unqueue(req)
         tail = req.text.flush()
         if tail or req.unsent_tokens:
             self._emit(TokenEvent(req.id, tail, req.unsent_tokens, self._unsent(req),

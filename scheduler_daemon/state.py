@@ -24,6 +24,7 @@ class Status(IntEnum):
     WAITING = 0  # in the FIFO queue, holding no slot and no KV blocks
     PREFILLING = 1  # in a slot; its prompt goes into the KV cache a chunk per tick
     GENERATING = 2  # one new token per tick
+    PREEMPTED = 3  # out of its slot for another tenant: its KV saved to RAM (or recomputed later)
     FINISHED_STOPPED = 10  # end-of-generation token or a stop string
     FINISHED_LENGTH = 11  # max_tokens reached
     FINISHED_CANCELLED = 12  # cancelled by the client, an operator or shutdown
@@ -111,6 +112,16 @@ class RequestState:
     t_started: float | None = None
     t_first_token: float | None = None
     deadline: float | None = None  # the scheduler's clock; past it, ``timeout`` wherever it is
+    # Preemption: the tokens a resumed request's slot must hold before it samples again
+    # (prompt + output; None when not resuming), and its output length when it last got a slot.
+    refill: list[int] | None = None
+    run_start_tokens: int = 0
+
+    @property
+    def fill_tokens(self) -> list[int]:
+        """What the slot is filled with before the next sample: the prompt, or on a resume
+        the prompt and everything generated (the last token's logits pick the next one)."""
+        return self.refill if self.refill is not None else self.prompt
 
 
 @dataclass(slots=True)

@@ -80,11 +80,11 @@ def test_cross_slot_tier_copies_from_a_generating_slot_for_its_scope_only(harnes
     h.scheduler.step()  # a1 is generating on slot 0, its KV growing
     h.scheduler.submit(req("a2", toks(SYSTEM, user(2))))
     h.scheduler.submit(req("b1", toks(SYSTEM, user(2)), scope="b"))
-    h.scheduler.step()
-    assert ("copy", 0, 1, 0, 60) in engine.ops  # positions [0, 60) of slot 0 into slot 1
-    assert not any(op[0] == "copy" and op[2] == 2 for op in engine.ops)  # never into b's slot
+    h.scheduler.step()  # b1 first (its scope holds fewer slots): slot 1; a2: slot 2
+    assert ("copy", 0, 2, 0, 60) in engine.ops  # positions [0, 60) of slot 0 into slot 2
+    assert not any(op[0] == "copy" and op[2] == 1 for op in engine.ops)  # never into b's slot
     snap = h.scheduler.snapshot()["slots"]
-    assert snap[1]["cached_tokens"] == 60 and snap[1]["kv_tokens"] == 80  # copied, then prefilled
+    assert snap[2]["cached_tokens"] == 60 and snap[2]["kv_tokens"] == 80  # copied, then prefilled
     h.run()
     assert h.finished("a2").stats.cached_tokens == 60 and hit_tokens(h, "cross_slot") == 60
     assert h.finished("b1").stats.cached_tokens == 0
