@@ -1,5 +1,5 @@
 """Live admin pages: queue, slots, cache entries and daemons, from the daemons' snapshots;
-the quarantine (requests that crashed daemons), from Redis.
+the quarantine (requests present at two daemon deaths), from Redis.
 
 The pages are plain admin templates that poll ``live/state.json`` about once a second;
 the state is read from Redis only (``broker.live_daemons_sync``), so looking never slows
@@ -167,7 +167,7 @@ def fleet_view(snaps: list[dict[str, Any]],
 
 
 def quarantined() -> list[dict[str, Any]]:
-    """Requests that were running at two daemon deaths (docs/daemon.md), newest first."""
+    """Requests that were running at two distinct daemon deaths (docs/daemon.md), newest first."""
     rows = []
     for fingerprint, raw in broker.sync_client().hgetall(protocol.QUARANTINE_HASH).items():
         try:

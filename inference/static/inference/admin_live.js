@@ -100,7 +100,8 @@
       s.quarantine.map((q) => [q.fingerprint.slice(0, 12), q.request_id, q.tenant, q.model, q.kind,
                                q.deaths, q.last_daemon, new Date(q.at * 1000).toLocaleString(),
                                button("Release", {action: "release", fingerprint: q.fingerprint},
-                                      "Let this request run again? It crashed a daemon twice.")]),
+                                      "Let this request run again? It was running at two " +
+                                      "separate daemon deaths (crashes or hangs).")]),
       "No request is quarantined.")],
     daemons: (s) => [table(
       [["Daemon"], ["Model"], ["Host / pid"], ["Heartbeat", "num"], ["Uptime", "num"], ["State"],
