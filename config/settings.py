@@ -228,6 +228,10 @@ N_CTX = env_int("N_CTX", 8192)
 # grows faster than linearly: 32 KiB ~0.08 s, 256 KiB ~0.7-1.1 s, 512 KiB ~4 s (one
 # core of the shared 2-core dev machine, under load): the cap bounds that cost.
 MAX_PROMPT_BYTES = env_int("MAX_PROMPT_BYTES", 32 * N_CTX)
+# A /v1/tokenize or /v1/detokenize answer's JSON in bytes (the daemon refuses a longer one
+# with a 400 naming the field; with_pieces from its token count before any piece is built).
+# 1 MiB: ~40,000 tokens with pieces (5x the default context), any context's ids without.
+MAX_VOCAB_ANSWER_BYTES = env_int("MAX_VOCAB_ANSWER_BYTES", 2**20)
 N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
 # max_tokens of a request that names none (bounded by the context either way)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import queue
@@ -222,13 +223,17 @@ class InferenceCore:
         max_prompt_bytes = overrides.get(
             "max_prompt_bytes", getattr(settings, "MAX_PROMPT_BYTES", DEFAULT_MAX_PROMPT_BYTES)
         )
-        return cls(
+        core = cls(
             engine,
             config,
             chat_template=get("CHAT_TEMPLATE") or "",
             max_prompt_bytes=max_prompt_bytes,
             embeddings=bool(overrides.get("embeddings", getattr(settings, "EMBEDDINGS", True))),
         )
+        core.max_answer_bytes = int(overrides.get(
+            "max_vocab_answer_bytes", getattr(settings, "MAX_VOCAB_ANSWER_BYTES",
+                                              core.max_answer_bytes)))
+        return core
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -670,10 +675,18 @@ class InferenceCore:
         raw = b"".join(self.engine.token_bytes(t) for t in prompt)
         return raw.decode("utf-8", errors="replace")
 
-    def vocabulary_answer(self, kind: str, prompt: Any, options: Any) -> dict[str, Any]:
+    # MAX_VOCAB_ANSWER_BYTES (from_settings): a tokenize/detokenize answer's JSON at most
+    max_answer_bytes: int = 2**20
+
+    def vocabulary_answer(self, kind: str, prompt: Any,
+                          options: Any) -> tuple[dict[str, Any], int]:
         """A tokenize or detokenize job's answer, from the model's vocabulary alone (no slot,
-        no decode: the preparer thread answers it). ``InvalidParameter`` names a field whose
-        wire shape is wrong or whose ids the vocabulary does not hold."""
+        no decode), and the tokens it counted (the request's usage: the text's tokens, or
+        the ids). ``InvalidParameter`` names a field whose wire shape is wrong or whose ids
+        the vocabulary does not hold. An answer whose JSON (as the web sends it) would pass
+        ``max_answer_bytes`` is refused naming the input field and the limit, its counted
+        tokens as the refusal's ``usage``; ``with_pieces`` is refused from the token count
+        alone, before a piece is looked up, when even the shortest pieces could not fit."""
         options = options if isinstance(options, dict) else {}
         if kind == protocol.TOKENIZE_KIND:
             if not isinstance(prompt, str):
@@ -688,9 +701,14 @@ class InferenceCore:
             except UnicodeEncodeError:
                 raise InvalidParameter("content", "is not valid UTF-8 text") from None
             if not with_pieces:
-                return {"tokens": tokens}
-            return {"tokens": [{"id": t, "piece": _piece(self.engine.token_bytes(t))}
-                               for t in tokens]}
+                answer: dict[str, Any] = {"tokens": tokens}
+            else:
+                self._check_answer(_least_pieces_bytes(len(tokens)), "content", len(tokens),
+                                   at_least=True)
+                answer = {"tokens": [{"id": t, "piece": _piece(self.engine.token_bytes(t))}
+                                     for t in tokens]}
+            self._check_answer(_json_bytes(answer), "content", len(tokens))
+            return answer, len(tokens)
         if not isinstance(prompt, list) or len(prompt) > protocol.MAX_DETOKENIZE_TOKENS:
             raise InvalidParameter("tokens", f"must be a list of at most "
                                    f"{protocol.MAX_DETOKENIZE_TOKENS} token ids")
@@ -698,7 +716,26 @@ class InferenceCore:
             raise InvalidParameter("tokens", f"token ids must be within the vocabulary "
                                    f"(0 to {self.engine.n_vocab - 1})")
         raw = b"".join(self.engine.token_bytes(t) for t in prompt)
-        return {"content": raw.decode("utf-8", errors="replace")}
+        answer = {"content": raw.decode("utf-8", errors="replace")}
+        self._check_answer(_json_bytes(answer), "tokens", len(prompt))
+        return answer, len(prompt)
+
+    def _check_answer(self, n_bytes: int, field: str, n_tokens: int,
+                      at_least: bool = False) -> None:
+        limit = self.max_answer_bytes
+        if n_bytes <= limit:
+            return
+        hint = "send less content, or with_pieces false" if field == "content" else \
+            "send fewer token ids"
+        raise Refusal(
+            errors.INVALID_REQUEST_ERROR,
+            f"{field}: the answer would be {'at least ' if at_least else ''}{n_bytes} bytes "
+            f"of JSON, more than the limit of {limit} (MAX_VOCAB_ANSWER_BYTES): {hint}",
+            param=field,
+            answer_bytes=n_bytes,
+            max_answer_bytes=limit,
+            usage=protocol.usage(n_tokens, 0, 0),  # billed (the work was done); not shown
+        )
 
     def _check_size(self, n_bytes: int, field: str) -> None:
         if n_bytes > self.max_prompt_bytes:  # the web's refusal, the same way
@@ -761,6 +798,23 @@ def _piece(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
+
+
+# The JSON the web answers with (Django's JsonResponse: json.dumps' defaults, ASCII with
+# escapes, ", " and ": " between items)
+_PIECES_FRAME = len(json.dumps({"tokens": []}))
+_LEAST_PIECE = len(json.dumps({"id": 0, "piece": ""})) + len(", ")
+
+
+def _json_bytes(answer: dict[str, Any]) -> int:
+    """The answer's size as the web's JSON body."""
+    return len(json.dumps(answer))
+
+
+def _least_pieces_bytes(n_tokens: int) -> int:
+    """The fewest bytes a with_pieces answer of ``n_tokens`` can take (one-digit ids, empty
+    pieces): more than the cap refuses it before any piece is looked up."""
+    return _PIECES_FRAME + max(0, n_tokens * _LEAST_PIECE - len(", "))
 
 
 def _utf8_len(text: str, field: str) -> int:

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 RECLAIM_INTERVAL_S = 5.0
 INTAKE_BATCH = 16  # jobs taken in one TAKE at most
 PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # a daemon's capacity when none is given
+VOCABULARY_DRAIN_S = 10.0  # a drain waits this long for the vocabulary thread at most
 FULL_POLL_S = 0.02  # a full daemon looks for room this often
 ALIVE_EVERY_S = 0.5  # ... and shows its consumer alive this often (recovery's idle check)
 DRAIN_WINDOW_S = 30.0  # the rate jobs were taken at is measured over this long
@@ -149,6 +150,9 @@ class Intake:
         self.summary = AffinitySummary()  # the chains of the jobs started here
         self.summary_key = wire_affinity.summary_key(daemon_id)
         self.taken_by_tenant: Counter[str] = Counter()  # jobs started here, per tenant
+        self.vocabulary = PrepareQueue()  # tokenize/detokenize jobs, for their own thread
+        self._vocabulary_thread: threading.Thread | None = None
+        self._vocabulary_lock = threading.Lock()
 
     def held(self) -> int:
         """Jobs this daemon holds: taken and not started, being started, or not ended."""
@@ -274,6 +278,7 @@ class Intake:
                 self.start_job_safely(*item)
             finally:
                 self._starting = 0
+        self.join_vocabulary(VOCABULARY_DRAIN_S)  # its answers go out before the writer ends
 
     def start_job_safely(self, entry_id: str, job: protocol.Job,
                          takeover: Takeover = FRESH) -> None:
@@ -399,15 +404,48 @@ class Intake:
             self.redis.srem(self.summary_key, *removed)
 
     def _answer_vocabulary(self, job: protocol.Job, entry_id: str) -> None:
-        """A tokenize/detokenize job: answered here, on the preparer thread, from the
-        vocabulary (no slot, no decode), as one ``done`` event holding the ``result``."""
+        """A tokenize/detokenize job goes to the vocabulary thread (started with the first
+        one): tokenizing 256 KiB takes about a second, which must not hold up the start of
+        other tenants' generation jobs here."""
+        with self._vocabulary_lock:
+            if self._vocabulary_thread is None:
+                self._vocabulary_thread = threading.Thread(
+                    target=self.vocabulary_loop, name="daemon-vocabulary", daemon=True)
+                self._vocabulary_thread.start()
+        self.vocabulary.put(entry_id, job)
+
+    def vocabulary_loop(self) -> None:
+        """The vocabulary thread: tokenize/detokenize jobs round-robin by tenant, each
+        answered whole; it ends when the daemon stops taking jobs and none is left."""
+        while self.lifecycle.taking_jobs or len(self.vocabulary):
+            item = self.vocabulary.get(timeout=0.5)
+            if item is not None:
+                entry_id, job, _ = item
+                try:
+                    self.answer_vocabulary(job, entry_id)
+                except Exception:
+                    log.exception("answering job %s failed; it ends with an error, alone",
+                                  job.id)
+                    self.refuse(job.id, entry_id, Refusal(
+                        errors.INTERNAL_ERROR, "The server could not answer this request."))
+
+    def join_vocabulary(self, timeout_s: float) -> None:
+        """Wait for the vocabulary thread to answer what it holds and end (a drain)."""
+        thread = self._vocabulary_thread
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+
+    def answer_vocabulary(self, job: protocol.Job, entry_id: str) -> None:
+        """One tokenize/detokenize job answered from the vocabulary (no slot, no decode) as
+        one ``done`` event holding the ``result``; its tokens (the text's, or the ids) are
+        its usage, billed like a prompt's, a refused answer's too (the work was done)."""
         try:
-            result = self.core.vocabulary_answer(job.kind, job.prompt, job.params)
+            result, n_tokens = self.core.vocabulary_answer(job.kind, job.prompt, job.params)
         except Refusal as refusal:
             self.refuse(job.id, entry_id, refusal)
             return
-        done = {"finish_reason": "stop", "stop": None, "usage": protocol.usage(0, 0, 0),
-                "timings": {}, "result": result}
+        done = {"finish_reason": "stop", "stop": None, "timings": {}, "result": result,
+                "usage": protocol.usage(n_tokens, 0, 0)}
         self.writer.terminal(job.id, entry_id, protocol.DONE, done)
 
     def _start_embeddings(self, job: protocol.Job, entry_id: str) -> None:
