@@ -275,6 +275,9 @@ STREAM_INTERVAL_MS = env_int("STREAM_INTERVAL_MS", 50)
 # The daemon serves /v1/embeddings for its model (a second llama.cpp context, made at the
 # first embeddings request: mean pooling, normalized; docs/api.md).
 EMBEDDINGS = env_bool("EMBEDDINGS", True)
+# (daemon) Embeddings tokens one tenant's jobs may hold in a daemon (waiting or running, not
+# yet embedded); a job past it is refused 429 tenant_queue_full (docs/api.md).
+EMBEDDINGS_TENANT_TOKENS = env_int("EMBEDDINGS_TENANT_TOKENS", 65_536)
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 LOGGING = {

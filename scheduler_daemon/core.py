@@ -24,10 +24,10 @@ web validated everything else before the job was queued.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -42,7 +42,7 @@ from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
-from .engine_api import normalized
+from .embed_batch import EmbeddingBatcher, EmbeddingJob
 from .scheduler import Scheduler, SchedulerConfig
 from .state import (
     Choice,
@@ -58,6 +58,10 @@ from .state import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
+DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
+# the embeddings context holds two whole inputs: a full-length one never keeps another
+# tenant's input from beginning (embed_batch.py)
+EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
 
 
@@ -98,21 +102,6 @@ class ChoiceGroup:
                              error=failed.error if failed else None,
                              choices=tuple(Choice(i, e.finish_reason, e.stop)
                                            for i, e in enumerate(ends)))
-
-
-@dataclass(slots=True)
-class EmbeddingJob:
-    """An embeddings request in the loop: its inputs, how far each is, its end."""
-
-    request_id: str
-    inputs: list[list[int]]
-    done: Callable[[list[Any] | None, BaseException | None], None]
-    deadline: float | None = None  # monotonic; past it the job ends with ``timeout``
-    scope: str = ""  # its tenant (the queue's per-tenant share)
-    cancelled: bool = False
-    started: int = 0  # inputs begun
-    open: dict[int, list[Any]] = field(default_factory=dict)  # input -> [seq, pos, sum]
-    vectors: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -165,14 +154,18 @@ class InferenceCore:
         on_tick: Callable[[TickStats], None] | None = None,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         embeddings: bool = True,
+        embeddings_tenant_tokens: int = DEFAULT_EMBEDDINGS_TENANT_TOKENS,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
         anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
-        served (a second context, made at the first one)."""
+        served (a second context, made at the first one); ``embeddings_tenant_tokens``
+        (EMBEDDINGS_TENANT_TOKENS): the embeddings tokens one tenant's jobs may hold here."""
         self.engine = engine
         self.embeddings = embeddings
-        self._embedding_jobs: collections.deque[EmbeddingJob] = collections.deque()
-        self._embedding_lock = threading.Lock()
+        self._embedding_jobs = EmbeddingBatcher()  # guarded by _embedding_lock
+        self._embedding_lock = threading.RLock()
+        self.embeddings_tenant_tokens = embeddings_tenant_tokens
+        self._embed_tokens_per_s = 100.0  # measured decode by decode (Retry-After)
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
         self.max_prompt_bytes = max_prompt_bytes
         self._abort_ids: set[str] = set()  # test-only fault hook (FAULT_INJECTION)
@@ -229,6 +222,9 @@ class InferenceCore:
             chat_template=get("CHAT_TEMPLATE") or "",
             max_prompt_bytes=max_prompt_bytes,
             embeddings=bool(overrides.get("embeddings", getattr(settings, "EMBEDDINGS", True))),
+            embeddings_tenant_tokens=int(overrides.get(
+                "embeddings_tenant_tokens", getattr(settings, "EMBEDDINGS_TENANT_TOKENS",
+                                                    DEFAULT_EMBEDDINGS_TENANT_TOKENS))),
         )
         core.max_answer_bytes = int(overrides.get(
             "max_vocab_answer_bytes", getattr(settings, "MAX_VOCAB_ANSWER_BYTES",
@@ -555,97 +551,120 @@ class InferenceCore:
                               max_tokens=protocol.MAX_EMBEDDING_TOKENS)
         return out
 
-    def submit_embeddings(self, request_id: str, inputs: list[list[int]],
-                          done: Callable[[list[Any] | None, BaseException | None], None],
-                          deadline: float | None = None, scope: str = "") -> None:
-        """Queue an embeddings job for the loop thread: ``done(vectors, None)`` with one
-        normalized float32 vector per input in order, or ``done(None, exc)`` (a
-        ``Refusal`` for a cancel or a deadline). Each loop turn decodes one batch of the
-        oldest job (at most the embedder's ``n_batch`` tokens) and generation and
-        embeddings take turns by time; ``deadline``: unix seconds. Refused with
-        ``queue_full`` when MAX_QUEUE jobs wait, ``tenant_queue_full`` past the scope's
-        share (MAX_QUEUE_PER_TENANT). The jobs run in order (not round-robin by tenant)."""
+    def check_embeddings_room(self, scope: str, n_tokens: int = 0) -> None:
+        """Refuse an embeddings job the daemon will not hold (before its text is tokenized
+        with ``n_tokens`` 0, then with its tokens): ``queue_full`` when MAX_QUEUE jobs are
+        held, ``tenant_queue_full`` (429, Retry-After from the tenant's own work at the
+        measured rate) when the tenant's held jobs reach MAX_QUEUE_PER_TENANT or their
+        tokens not yet embedded plus ``n_tokens`` would pass EMBEDDINGS_TENANT_TOKENS. A
+        tenant holding nothing is never refused for tokens (one job is at most
+        MAX_EMBEDDING_TOKENS)."""
         config = self.scheduler.config
         with self._embedding_lock:
             if len(self._embedding_jobs) >= config.max_queue:
                 raise Refusal(errors.QUEUE_FULL, "the embeddings queue is full",
                               max_queue=config.max_queue)
-            mine = sum(job.scope == scope for job in self._embedding_jobs)
-            if config.max_queue_per_scope is not None and mine >= config.max_queue_per_scope:
-                raise Refusal(errors.TENANT_QUEUE_FULL, f"this tenant already has {mine} "
-                              "embeddings requests waiting", max_queued=config.max_queue_per_scope,
-                              retry_after_s=1)
-            due = None if deadline is None else time.monotonic() + (deadline - time.time())
-            self._embedding_jobs.append(EmbeddingJob(request_id, inputs, done, due, scope=scope))
+            jobs, tokens = self._embedding_jobs.held_by(scope)
+            per_scope = config.max_queue_per_scope
+            over_jobs = per_scope is not None and jobs >= per_scope
+            over_tokens = jobs > 0 and tokens + max(n_tokens, 1) > self.embeddings_tenant_tokens
+            if over_jobs or over_tokens:
+                wait_s = tokens / max(self._embed_tokens_per_s, 1.0)
+                raise Refusal(errors.TENANT_QUEUE_FULL,
+                              f"this tenant already has {jobs} embeddings requests ({tokens} "
+                              f"tokens) in this daemon; at most {per_scope} requests and "
+                              f"{self.embeddings_tenant_tokens} tokens "
+                              "(EMBEDDINGS_TENANT_TOKENS) are held per tenant",
+                              max_queued=per_scope, max_tokens=self.embeddings_tenant_tokens,
+                              retry_after_s=int(min(60, max(1, math.ceil(wait_s)))))
+
+    def submit_embeddings(self, request_id: str, inputs: list[list[int]],
+                          done: Callable[[list[Any] | None, BaseException | None], None],
+                          deadline: float | None = None, scope: str = "") -> None:
+        """Queue an embeddings job for the loop thread: ``done(vectors, None)`` with one
+        normalized float32 vector per input in order, or ``done(None, refusal)``: a cancel,
+        the deadline, a failed decode (``engine_error`` naming the input and the cause), a
+        stop; past any work, the refusal's ``usage`` holds the tokens embedded. Tenants
+        take turns by decode, at most the embedder's ``n_batch`` tokens each
+        (``embed_batch.py``), and generation and embeddings take turns by time;
+        ``deadline``: unix seconds. Refused as ``check_embeddings_room`` says."""
+        job = EmbeddingJob(request_id, inputs, done, scope=scope,
+                           deadline=None if deadline is None
+                           else time.monotonic() + (deadline - time.time()))
+        with self._embedding_lock:
+            self.check_embeddings_room(scope, job.n_tokens)
+            self._embedding_jobs.add(job)
         self.scheduler.wake()
 
     def _cancel_embeddings(self, request_id: str) -> bool:
         with self._embedding_lock:
-            for job in self._embedding_jobs:
-                if job.request_id == request_id:
-                    job.cancelled = True
-                    self.scheduler.wake()
-                    return True
-        return False
+            job = self._embedding_jobs.find(request_id)
+            if job is None:
+                return False
+            job.cancelled = True
+        self.scheduler.wake()
+        return True
 
     def _embed_one_batch(self) -> bool:
-        """One decode for the oldest embeddings job (on the loop thread); False if none.
-        Open inputs go on first, then new ones while the batch has room; an input longer
-        than the batch goes over several decodes."""
+        """One decode of the embeddings jobs (on the loop thread), or a job's end; False if
+        there was nothing to do. The batcher chooses the job (tenants' turns) and the
+        pieces (within the cells the context holds: ``embed_batch.py``)."""
         with self._embedding_lock:
-            job = self._embedding_jobs[0] if self._embedding_jobs else None
-        if job is None:
-            return False
-        error: BaseException | None = None
+            job = next((j for j in self._embedding_jobs.jobs() if j.cancelled or (
+                j.deadline is not None and time.monotonic() > j.deadline)), None)
+        if job is not None:
+            refusal = (Refusal(errors.CANCELLED, "The request was cancelled.") if job.cancelled
+                       else Refusal(errors.TIMEOUT, "The request ran past its time limit."))
+            self._end_embedding(job, None, refusal)
+            return True
         embedder = None
+        decode = None
         try:
-            if job.cancelled:
-                raise Refusal(errors.CANCELLED, "The request was cancelled.")
-            if job.deadline is not None and time.monotonic() > job.deadline:
-                raise Refusal(errors.TIMEOUT, "The request ran past its time limit.")
-            embedder = self.engine.embedder(n_ctx=protocol.EMBEDDING_N_CTX)
-            pieces, owners, room = [], [], embedder.n_batch
-            for index in sorted(job.open):
-                if room <= 0:
-                    break
-                seq, pos, _ = job.open[index]
-                take = job.inputs[index][pos:pos + room]
-                pieces.append((seq, take, pos))
-                owners.append(index)
-                room -= len(take)
-            free = sorted(set(range(embedder.n_seq_max)) - {o[0] for o in job.open.values()})
-            while room > 0 and free and job.started < len(job.inputs):
-                index, seq = job.started, free.pop(0)
-                job.started += 1
-                job.open[index] = [seq, 0, None]
-                take = job.inputs[index][:room]
-                pieces.append((seq, take, 0))
-                owners.append(index)
-                room -= len(take)
-            for index, total in zip(owners, embedder.decode(pieces), strict=False):
-                state = job.open[index]
-                state[1] += len(pieces[owners.index(index)][1])
-                state[2] = total if state[2] is None else state[2] + total
-                if state[1] == len(job.inputs[index]):
-                    job.vectors[index] = normalized(state[2], state[1])
-                    embedder.forget(state[0])
-                    del job.open[index]
-            if len(job.vectors) < len(job.inputs):
-                return True
+            embedder = self.engine.embedder(n_ctx=EMBEDDING_CONTEXT_CELLS)
+            with self._embedding_lock:
+                decode = self._embedding_jobs.plan(embedder.n_ctx, embedder.n_batch,
+                                                   embedder.n_seq_max)
+            if decode is None:
+                return False
+            t0 = time.monotonic()
+            sums = embedder.decode(decode.pieces)
+            with self._embedding_lock:
+                finished = self._embedding_jobs.commit(decode, sums)
+            rate = decode.n_tokens / max(time.monotonic() - t0, 1e-6)
+            self._embed_tokens_per_s += 0.2 * (rate - self._embed_tokens_per_s)
+            for seq in finished:
+                embedder.forget(seq)
         except Exception as exc:  # this job alone fails
-            if not isinstance(exc, Refusal):
-                log.exception("embeddings of request %s failed", job.request_id)
-            error = exc
-        with self._embedding_lock:
-            self._embedding_jobs.popleft()
-        if embedder is not None:
-            embedder.clear()  # the next job starts on empty cells
-        vectors = None if error else [job.vectors[i] for i in range(len(job.inputs))]
-        self._end_embedding(job, vectors, error)
+            if decode is None:  # the context could not be made: the oldest job's
+                jobs = self._embedding_jobs.jobs()
+                if not jobs:
+                    raise
+                job, where = jobs[0], "input"
+            else:
+                job, where = decode.job, f"input[{decode.inputs[0]}]"
+            log.exception("embeddings of request %s failed", job.request_id)
+            self._end_embedding(job, None, Refusal(
+                errors.ENGINE_ERROR, f"llama.cpp failed to embed {where} of this request "
+                f"({type(exc).__name__}: {exc})", param=where))
+            return True
+        if decode.job.finished:
+            self._end_embedding(decode.job, [decode.job.vectors[i]
+                                             for i in range(len(decode.job.inputs))], None)
         return True
 
     def _end_embedding(self, job: EmbeddingJob, vectors: list[Any] | None,
-                       error: BaseException | None) -> None:
+                       error: Refusal | None) -> None:
+        """End ``job`` once: out of the batcher (its open sequences' cells removed), then
+        ``done``; an error after work carries the tokens embedded as its ``usage``."""
+        with self._embedding_lock:
+            seqs = self._embedding_jobs.remove(job)
+        if seqs:  # begun inputs: the embedder exists
+            embedder = self.engine.embedder(n_ctx=EMBEDDING_CONTEXT_CELLS)
+            for seq in seqs:
+                embedder.forget(seq)
+        if error is not None and job.embedded_tokens:
+            error.details["usage"] = protocol.usage(job.embedded_tokens, 0, 0)
+            error.details["embedded_tokens"] = job.embedded_tokens
         try:
             job.done(vectors, error)
         except Exception:  # the callback writes the end: it must not fail the loop
@@ -653,16 +672,19 @@ class InferenceCore:
 
     def _end_embeddings(self, hand_back: bool) -> list[str]:
         """At stop, past the grace: the jobs left are handed back (their ids; nothing was
-        sent but ``accepted``), or end with ``shutting_down``."""
+        sent but ``accepted``; only jobs with no work done), or end with ``shutting_down``
+        (billed for any work done)."""
         with self._embedding_lock:
-            left = list(self._embedding_jobs)
-            self._embedding_jobs.clear()
-        if hand_back:
-            return [job.request_id for job in left]
+            left = self._embedding_jobs.jobs()
+        handed = [job for job in left if hand_back and not job.embedded_tokens]
+        with self._embedding_lock:
+            for job in handed:
+                self._embedding_jobs.remove(job)
         for job in left:
-            self._end_embedding(job, None, Refusal(errors.SHUTTING_DOWN,
-                                                   "The daemon stopped before it finished."))
-        return []
+            if job not in handed:
+                self._end_embedding(job, None, Refusal(
+                    errors.SHUTTING_DOWN, "The daemon stopped before it finished."))
+        return [job.request_id for job in handed]
 
     def prompt_text(self, prompt: str | list[int] | None) -> str:
         """A completion's prompt as text (``echo``): the string, or its token ids' pieces

@@ -155,7 +155,10 @@ class Embedder:
     embeddings make every token an output. So a decode takes at most ``n_batch`` tokens
     (128: ~134 MB of logits for Gemma), pooling is off, and the mean over an input's tokens
     is ours, summed chunk by chunk: an input longer than one decode goes over several, its
-    sequence's cells kept between them (up to ``n_ctx`` tokens per input)."""
+    sequence's cells kept between them (up to ``n_ctx`` tokens per input). It counts the
+    cells each sequence holds and refuses a decode that would pass ``n_ctx`` of them or
+    skip a position (``ValueError``) before llama.cpp sees it: the caller plans within the
+    cells (``embed_batch.py``)."""
 
     def __init__(self, engine: LlamaEngine, n_ctx: int, n_batch: int, n_seq_max: int) -> None:
         params = lc.llama_context_default_params()
@@ -178,6 +181,7 @@ class Embedder:
         self.n_embd = int(lc.llama_model_n_embd(engine._model))
         self._batch = _Batch(self.n_batch)
         self._positions = np.arange(self.n_ctx, dtype=np.int32)
+        self._cells: dict[int, int] = {}  # seq id -> cells it holds (its next position)
 
     def decode(self, pieces: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
         """One decode of ``pieces`` (seq id, tokens, first position; at most ``n_batch``
@@ -188,6 +192,11 @@ class Embedder:
                 not 0 <= seq < self.n_seq_max or pos0 + len(tokens) > self.n_ctx or not tokens
                 for seq, tokens, pos0 in pieces):
             raise ValueError("the pieces do not fit one embeddings decode")
+        if any(pos0 != self._cells.get(seq, 0) for seq, _, pos0 in pieces):
+            raise ValueError("an embeddings piece does not follow its sequence's cells")
+        if self.cells_used + n > self.n_ctx:
+            raise ValueError(f"an embeddings decode of {n} tokens over {self.cells_used} "
+                             f"cells held would pass the context's {self.n_ctx}")
         rows = [BatchRow(seq_id=seq, tokens=list(tokens), pos0=pos0, logits=True)
                 for seq, tokens, pos0 in pieces]
         self._batch.fill(rows, self._positions)
@@ -196,6 +205,8 @@ class Embedder:
         rc = int(lc.llama_decode(self._ctx, self._batch.struct))
         if rc != DECODE_OK:
             raise EngineError(f"llama_decode of an embeddings batch returned {rc}")
+        for seq, tokens, pos0 in pieces:
+            self._cells[seq] = pos0 + len(tokens)
         ptr = lc.llama_get_embeddings(self._ctx)
         if not ptr:
             raise EngineError("llama.cpp gave no embeddings")
@@ -206,12 +217,19 @@ class Embedder:
             offset += len(tokens)
         return sums
 
+    @property
+    def cells_used(self) -> int:
+        """Cells the sequences hold, all together."""
+        return sum(self._cells.values())
+
     def forget(self, seq_id: int) -> None:
-        """Drop a finished input's cells."""
+        """Drop an input's cells (finished, or its job ended)."""
         lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._cells.pop(seq_id, None)
 
     def clear(self) -> None:
         lc.llama_memory_clear(self._mem, True)
+        self._cells.clear()
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

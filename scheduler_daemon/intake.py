@@ -88,6 +88,7 @@ class PrepareQueue:
     def __init__(self) -> None:
         self._jobs: FairQueue[str, Prepared] = FairQueue()
         self._cond = threading.Condition()
+        self.embeddings = 0  # embeddings jobs among them (not in the intake's generation count)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -95,6 +96,7 @@ class PrepareQueue:
     def put(self, entry_id: str, job: protocol.Job, takeover: Takeover = FRESH) -> None:
         with self._cond:
             self._jobs.push(job.tenant_id, (entry_id, job, takeover))
+            self.embeddings += job.kind == protocol.EMBEDDING_KIND
             self._cond.notify()
 
     def get(self, timeout: float) -> Prepared | None:
@@ -102,7 +104,10 @@ class PrepareQueue:
         with self._cond:
             self._cond.wait_for(lambda: bool(self._jobs), timeout)
             taken = self._jobs.pop()
-            return taken[1] if taken is not None else None
+            if taken is None:
+                return None
+            self.embeddings -= taken[1][1].kind == protocol.EMBEDDING_KIND
+            return taken[1]
 
 
 class Intake:
@@ -150,13 +155,24 @@ class Intake:
         self.summary = AffinitySummary()  # the chains of the jobs started here
         self.summary_key = wire_affinity.summary_key(daemon_id)
         self.taken_by_tenant: Counter[str] = Counter()  # jobs started here, per tenant
+        self._embeddings: set[str] = set()  # embeddings jobs started, until their end is written
+        self._embeddings_lock = threading.Lock()
         self.vocabulary = PrepareQueue()  # tokenize/detokenize jobs, for their own thread
         self._vocabulary_thread: threading.Thread | None = None
         self._vocabulary_lock = threading.Lock()
 
     def held(self) -> int:
-        """Jobs this daemon holds: taken and not started, being started, or not ended."""
-        return len(self.prepare) + self._starting + self.writer.live_count()
+        """Generation jobs this daemon holds: taken and not started, being started, or not
+        ended. Embeddings jobs have their own bounds (the core's ``check_embeddings_room``)
+        and do not count: a burst of them never keeps a chat waiting in Redis."""
+        return (len(self.prepare) - self.prepare.embeddings + self._starting
+                + self.writer.live_count() - self.embeddings_live())
+
+    def embeddings_live(self) -> int:
+        """Embeddings jobs started here whose end the writer has not yet written."""
+        with self._embeddings_lock:
+            self._embeddings = {i for i in self._embeddings if self.writer.is_live(i)}
+            return len(self._embeddings)
 
     def room(self) -> int:
         return self.capacity - self.held()
@@ -449,11 +465,16 @@ class Intake:
         self.writer.terminal(job.id, entry_id, protocol.DONE, done)
 
     def _start_embeddings(self, job: protocol.Job, entry_id: str) -> None:
-        """An embeddings job: its inputs tokenized here, ``accepted``, embedded by the loop
-        thread (the one that decodes), answered with one ``done`` event: each vector as
-        base64 of little-endian float32, and the tokens as prompt usage. A cancel, its
-        deadline, a full queue or a stopping daemon end it with that error."""
+        """An embeddings job: the tenant's room checked, its inputs tokenized here,
+        ``accepted``, embedded by the loop thread (the one that decodes), answered with one
+        ``done`` event: each vector as base64 of little-endian float32, and the tokens as
+        prompt usage. A refusal (the tenant's share of embeddings work: 429
+        ``tenant_queue_full``), a cancel, its deadline, a failed decode or a stopping daemon
+        end it with that error, billed for the tokens embedded before it (its ``usage``)."""
+        with self._embeddings_lock:
+            self._embeddings.add(job.id)  # its own count from here (``held``)
         try:
+            self.core.check_embeddings_room(job.cache_scope)  # before tokenizing
             inputs = self.core.embedding_inputs(job.prompt)
         except Refusal as refusal:
             self.refuse(job.id, entry_id, refusal)
@@ -462,13 +483,10 @@ class Intake:
 
         def done(vectors: list[Any] | None, error: BaseException | None) -> None:
             if error is not None or vectors is None:
-                if isinstance(error, Refusal):
-                    self.refuse(job.id, entry_id, error)
-                    return
-                data = {"code": errors.ENGINE_ERROR,
-                        "status": errors.status_of(errors.ENGINE_ERROR),
-                        "message": "The embeddings of this request failed."}
-                self.writer.terminal(job.id, entry_id, protocol.ERROR, data)
+                if not isinstance(error, Refusal):  # the core wraps failures: a bug
+                    error = Refusal(errors.INTERNAL_ERROR,
+                                    "The embeddings of this request failed.")
+                self.refuse(job.id, entry_id, error)
                 return
             result = {"vectors": [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
                                   for v in vectors]}

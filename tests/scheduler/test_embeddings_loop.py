@@ -1,6 +1,7 @@
-"""Embeddings in the scheduler's loop (#16), on the real engine (Gemma): bounded decodes
-with the mean taken over chunks, generation and embeddings taking turns, and every
-embeddings job ending once (answer, cancel, deadline, stop)."""
+"""Embeddings in the scheduler's loop (#16, #31), on the real engine (Gemma): bounded
+decodes with the mean taken over chunks, generation and embeddings taking turns, inputs
+that never overflow the embeddings context, every embeddings job ending once (answer,
+cancel, deadline, a failed decode, stop) and billed for the tokens it embedded."""
 from __future__ import annotations
 
 import threading
@@ -9,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.engine import Embedder
+from scheduler_daemon.core import DEFAULT_EMBEDDINGS_TENANT_TOKENS, InferenceCore
+from scheduler_daemon.engine import Embedder, EngineError
 from scheduler_daemon.engine_api import normalized
 from scheduler_daemon.scheduler import SchedulerConfig
 from scheduler_daemon.state import FinishedEvent
-from wire import errors
+from wire import errors, protocol
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
@@ -116,3 +117,99 @@ def test_a_failing_end_callback_does_not_fail_the_loop(core, gemma_engine):
     handle = core.submit(prompt="Hello", params=SamplingParams.from_dict({"max_tokens": 2}))
     assert isinstance(list(handle.events(timeout=120))[-1], FinishedEvent)
     assert core.scheduler.counters["tick_failures"] == 0
+
+
+def test_a_full_context_input_between_two_others_gets_all_three_vectors(core, gemma_engine):
+    # #31: [[t]*100, [t]*2048, [t]*10] failed with "failed to find a memory slot for batch
+    # of size 110" (the 10-token input shared a decode with the 2,048-token one's tail)
+    t = gemma_engine.tokenize("cat")[-1]
+    ends = Ends()
+    core.submit_embeddings("fits", [[t] * 100, [t] * 2048, [t] * 10], ends)
+    assert ends.done.wait(600)
+    vectors, error, _ = ends.calls[0]
+    assert error is None and len(vectors) == 3
+    for v in vectors:
+        assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-5)
+    embedder = gemma_engine.embedder()
+    assert embedder.cells_used == 0  # every input's cells given back
+
+
+def test_the_embedder_refuses_a_decode_past_its_cells_before_llama_cpp_sees_it(gemma_engine):
+    embedder = Embedder(gemma_engine, 256, 128, 4)
+    try:
+        embedder.decode([(0, [5] * 128, 0)])
+        embedder.decode([(1, [5] * 128, 0)])
+        with pytest.raises(ValueError, match="pass the context"):
+            embedder.decode([(2, [5] * 10, 0)])
+        with pytest.raises(ValueError, match="follow"):
+            embedder.decode([(0, [5] * 10, 5)])  # a gap in sequence 0's positions
+        embedder.forget(1)
+        assert embedder.cells_used == 128
+        embedder.decode([(2, [5] * 10, 0)])  # the cells sequence 1 gave back
+    finally:
+        embedder.close()
+
+
+def test_a_cancel_after_work_is_billed_for_the_tokens_embedded(core, gemma_engine):
+    inputs = [gemma_engine.tokenize("word " * 200)[:128] for _ in range(40)]
+    ends = Ends()
+    core.submit_embeddings("half", inputs, ends)
+    deadline = time.monotonic() + 300
+    while core._embedding_jobs.find("half").embedded_tokens < 256:  # two decodes done
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    core.cancel("half")
+    assert ends.done.wait(120)
+    vectors, error, _ = ends.calls[0]
+    assert vectors is None and error.code == errors.CANCELLED
+    billed = error.details["usage"]["prompt_tokens"]
+    assert 256 <= billed < 40 * 128 and billed % 128 == 0
+
+
+def test_a_failed_decode_is_a_typed_error_naming_the_input_and_billed(core, gemma_engine,
+                                                                     monkeypatch):
+    embedder = gemma_engine.embedder()
+    real = embedder.decode
+    calls = []
+
+    def failing(pieces):  # a stand-in failure of llama.cpp at the second decode
+        calls.append(pieces)
+        if len(calls) == 2:
+            raise EngineError("llama_decode of an embeddings batch returned -3")
+        return real(pieces)
+
+    monkeypatch.setattr(embedder, "decode", failing)
+    ends = Ends()
+    core.submit_embeddings("broken", [[5] * 100, [6] * 100], ends)
+    assert ends.done.wait(120)
+    vectors, error, _ = ends.calls[0]
+    assert vectors is None and isinstance(error, Refusal)
+    assert error.code == errors.ENGINE_ERROR and errors.status_of(error.code) == 500
+    assert error.param == "input[1]" and "returned -3" in error.message  # the open one
+    assert error.details["usage"] == protocol.usage(128, 0, 0)  # the first decode's tokens
+    monkeypatch.undo()
+    assert embedder.cells_used == 0
+    ends = Ends()
+    core.submit_embeddings("after", [[5] * 100], ends)  # the context is usable again
+    assert ends.done.wait(120) and ends.calls[0][1] is None
+
+
+def test_a_tenant_s_embeddings_work_in_flight_is_capped(gemma_engine):
+    core = InferenceCore(gemma_engine, SchedulerConfig(max_queue=16),
+                         embeddings_tenant_tokens=3000)
+    ends = Ends()
+    core.submit_embeddings("a0", [[5] * 2000], ends, scope="a")
+    with pytest.raises(Refusal) as caught:
+        core.submit_embeddings("a1", [[5] * 1001], ends, scope="a")
+    assert caught.value.code == errors.TENANT_QUEUE_FULL
+    assert errors.status_of(caught.value.code) == 429
+    assert 1 <= caught.value.details["retry_after_s"] <= 60
+    core.submit_embeddings("a2", [[5] * 1000], ends, scope="a")  # within the 3,000
+    core.submit_embeddings("b0", [[5] * 2000], ends, scope="b")  # another tenant's own share
+    with pytest.raises(Refusal):
+        core.check_embeddings_room("a")  # before tokenizing: already at the cap
+    lone = InferenceCore(gemma_engine, SchedulerConfig(), embeddings_tenant_tokens=10)
+    lone.submit_embeddings("big", [[5] * 2048], ends, scope="a")  # one job always fits
+    assert DEFAULT_EMBEDDINGS_TENANT_TOKENS == 2 * protocol.MAX_EMBEDDING_TOKENS
+    assert sorted(core.stop(grace_s=0, hand_back=True)) == ["a0", "a2", "b0"]
+    assert lone.stop(grace_s=0, hand_back=True) == ["big"]
