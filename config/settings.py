@@ -254,6 +254,12 @@ ROUTE_BALANCE_REL = env_float("ROUTE_BALANCE_REL", 1.5)
 # requests may reserve (also the most one request may ask for: prompt + max_tokens).
 MAX_QUEUE_PER_TENANT = env_int("MAX_QUEUE_PER_TENANT", max(1, MAX_QUEUE // 2))
 KV_TENANT_SHARE = env_float("KV_TENANT_SHARE", 0.5)
+# (daemon) While another tenant's request waits for a slot, a tenant holding at least two
+# slots more than that tenant gives up one generating sequence (its KV saved to the RAM
+# prompt cache, else recomputed at its resume), once that sequence has generated
+# PREEMPT_MIN_TOKENS since it got its slot. docs/scheduler.md, "Preemption".
+PREEMPTION = env_bool("PREEMPTION", True)
+PREEMPT_MIN_TOKENS = env_int("PREEMPT_MIN_TOKENS", 16)
 # Test-only: a job whose prompt holds scheduler_daemon.transport.FAULT_MARKER aborts the
 # daemon process (to test the supervisor and the quarantine). Never on in production.
 FAULT_INJECTION = env_bool("FAULT_INJECTION", False)

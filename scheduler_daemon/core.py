@@ -210,6 +210,8 @@ class InferenceCore:
             idle_slots_to_ram=get("IDLE_SLOTS_TO_RAM"),
             ram_tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
             kv_scope_share=get("KV_TENANT_SHARE"),
+            preemption=get("PREEMPTION"),
+            preempt_min_tokens=get("PREEMPT_MIN_TOKENS"),
             max_queue_per_scope=get("MAX_QUEUE_PER_TENANT"),
             park_seq=True,
         )
