@@ -27,7 +27,9 @@ drives llama.cpp's work below a limit:
   ``llama_sampler_init_grammar`` builds for ``root``, and what each sampled character
   rebuilds from any position) number at most ``MAX_STACKS`` kept, ``MAX_ADVANCE_STATES``
   visited, and ``MAX_ADVANCE_WORK`` visited stacks times their length (upper bounds: the
-  counts ignore llama.cpp merging equal stacks).
+  counts ignore llama.cpp merging equal stacks);
+* one sampling call's estimated (stack, token) visits stay under ``MAX_SAMPLING_VISITS``
+  (below).
 
 Everything llama.cpp's parser rejects is rejected here as well (its error path prints the
 grammar text to stderr, outside the daemon's log sink), so a grammar only reaches
@@ -88,9 +90,22 @@ bare Python loop runs ~4x slower than usual):
   grammar (rule names grow with depth), 300 -> MemoryError: ``MAX_SCHEMA_DEPTH = 64``
   (values, counting lists and maps).
 
-Not bounded here: how many stacks a grammar accumulates while generating. An ambiguous
-grammar (``s ::= "a" s "b" | "a" s "c" | ""``) can double them with each character, and
-no static check decides ambiguity; that needs a limit at sampling time.
+What the sampler does per token is priced too (``wire/grammar_cost.py``): llama.cpp checks
+each vocabulary token against each *path* of parse stacks, character by character, and
+equal stacks reached along different paths are not merged, so an ambiguous repetition
+(issue 31: ``root ::= item+``, ``item ::= c0 | ... | c15``, each ``ck ::= [a-z ]``) costs
+about 16^n per token of n characters and held the daemon's loop in
+``llama_sampler_apply`` for minutes. The pricing runs llama.cpp's stacks over the
+grammar's character classes for strings of up to 32 characters (the longest token pieces)
+from ``root`` and from every recursive rule, weights the worst string of each length by
+how many tokens of that length the served vocabularies have, and refuses a grammar whose
+estimate passes ``MAX_SAMPLING_VISITS`` (2 * 10^9 (stack, token) visits). Estimates:
+json.gbnf 3.2e8 (its ``[0-9] | [1-9] [0-9]{0,15}`` matches a digit two ways, so "1,1,1"
+doubles the paths per element; the vocabularies split digits, so its real cost is 40-100
+ms a token), schema and tool-call grammars 2e6-3e8, ``[a-z ]* [a-z ]*`` 1.8e7, four
+such 2.5e8; the issue's grammar with 2, 4 or 16 alternatives passes 10^12. The pricing
+itself stops at ``MAX_PRICING_WORK`` steps (refused as too ambiguous to price): json.gbnf
+takes 0.3-1 s of it on this loaded 2-core machine (the verdict is cached).
 
 This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
 """
@@ -104,6 +119,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from . import grammar_cost
 from .errors import InvalidParameter
 
 # -- limits (see the measurements above) --------------------------------------------------
@@ -119,6 +135,8 @@ MAX_ADVANCE_WORK = 250_000
 MAX_LEFT_DEPTH = 1024
 MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
+MAX_SAMPLING_VISITS = 2 * 10**9  # estimated (stack, token) visits of one sampling call
+MAX_PRICING_WORK = 1_000_000  # steps the pricing itself may take
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64
@@ -203,9 +221,9 @@ class _Parser:
     """llama.cpp's GBNF grammar, parsed the way ``llama_grammar_parser::parse`` does.
 
     Rules are kept the way llama.cpp expands them: ``rules[id]`` is a list of alternatives,
-    each a list of items; an item >= 0 references rule ``id``, an item < 0 is a run of
-    -item terminal elements (a character, a character class, a token, ``.``; a literal
-    string is one run per string: only its first character matters to the analyses).
+    each a list of items; an item >= 0 references rule ``id``, an item < 0 is the terminal
+    ``terms[-item - 1]``: a run of terminal elements (a literal string, a character class,
+    a token, ``.``) as its element count and the span of its source text.
     """
 
     def __init__(self, text: str) -> None:
@@ -214,6 +232,17 @@ class _Parser:
         self.names: list[str] = []  # rule id -> the user rule it belongs to
         self.rules: list[list[list[int]] | None] = []
         self.elements = 0
+        # terminal item -(j + 1) -> (llama.cpp elements, kind, start, end of its source text)
+        self.terms: list[tuple[int, str, int, int]] = []
+
+    def _term(self, n: int, kind: str, start: int, end: int) -> int:
+        self.terms.append((n, kind, start, end))
+        return -len(self.terms)
+
+    def weight(self, items: list[int]) -> int:
+        """llama.cpp elements in a run of items (an upper bound: see the class docstring)."""
+        terms = self.terms
+        return sum(terms[-i - 1][0] if i < 0 else 1 for i in items)
 
     # symbols (llama_grammar_parser::get_symbol_id / generate_symbol_id)
 
@@ -324,7 +353,7 @@ class _Parser:
                     f.last = len(f.cur)
                     f.n_prev = 1
                     if n:  # "" and [] add nothing
-                        f.cur.append(-n)
+                        f.cur.append(self._term(n, kind, m.start(kind), m.end(kind)))
                         self.elements += n
                 elif kind == "bar":  # the next alternative
                     f.alts.append(f.cur)
@@ -352,12 +381,13 @@ class _Parser:
                             raise _GrammarError(f"token id above {MAX_TOKEN_ID}", pos)
                     f.last = len(f.cur)
                     f.n_prev = 1
-                    f.cur.append(-1)
+                    f.cur.append(self._term(1, kind, m.start(kind), m.end(kind)))
                     self.elements += 1
                 pos = m.end()
                 continue
             c = src[pos]
             if c == '"':
+                start = pos
                 pos += 1
                 n = 0
                 while src[pos] != '"':
@@ -372,9 +402,10 @@ class _Parser:
                 f.n_prev = 1
                 if n:
                     self._add_elements(n)
-                    f.cur.append(-n)
+                    f.cur.append(self._term(n, "lit", start, pos + 1))
                 pos = self.space(pos + 1, f.nested)
             elif c == "[":
+                start = pos
                 pos += 1
                 if src[pos] == "^":
                     pos += 1
@@ -391,14 +422,15 @@ class _Parser:
                 f.n_prev = 1
                 if n:
                     self._add_elements(n)
-                    f.cur.append(-n)
+                    f.cur.append(self._term(n, "cls", start, pos + 1))
                 pos = self.space(pos + 1, f.nested)
             elif c == "<" or c == "!":
+                start = pos
                 pos = self.token(pos + 1 if c == "!" else pos)
                 f.last = len(f.cur)
                 f.n_prev = 1
                 self._add_elements(1)
-                f.cur.append(-1)
+                f.cur.append(self._term(1, "tok", start, pos))
                 pos = self.space(pos, f.nested)
             elif c in _WORD:
                 m = _NAME.match(src, pos)
@@ -420,7 +452,7 @@ class _Parser:
                 f.last = len(f.cur)
                 f.n_prev = 1
                 self._add_elements(1)
-                f.cur.append(-1)
+                f.cur.append(self._term(1, "dot", pos, pos + 1))
                 pos = self.space(pos + 1, f.nested)
             elif c == "*" or c == "+" or c == "?":
                 at = pos
@@ -513,7 +545,7 @@ class _Parser:
             raise _GrammarError(
                 f"nested repetitions multiply to more than {MAX_REPETITION} copies", at
             )
-        weight = (-prev[0] if prev[0] < 0 else 1) if len(prev) == 1 else _weight(prev)
+        weight = self.weight(prev)
         n_opt = 1 if hi is None else hi - lo
         if len(self.names) + n_opt > MAX_RULES:
             raise _GrammarError(f"more than {MAX_RULES} rules (counting generated ones)", at)
@@ -536,15 +568,6 @@ class _Parser:
         if n_opt > 0:
             f.cur.append(last_rec)
         f.n_prev *= total
-
-
-def _weight(items: list[int]) -> int:
-    """llama.cpp elements in a run of items (an upper bound: see ``_Parser``)."""
-    return sum(-i if i < 0 else 1 for i in items)
-
-
-def _alt_weight(alt: list[int]) -> int:
-    return len(alt) if not alt or min(alt) >= -1 else _weight(alt)
 
 
 def _short(name: str) -> str:
@@ -621,7 +644,7 @@ def _analyse(p: _Parser) -> dict[str, int]:
                 order.append(rid)
 
     # llama.cpp's left-recursion scan: one walk per unvisited rule, no memo within a walk.
-    size = [sum(map(_alt_weight, alts)) + len(alts) for alts in rules]
+    size = [sum(map(p.weight, alts)) + len(alts) for alts in rules]
     scan = [0] * n
     for rid in order:
         scan[rid] = min(_CAP, size[rid] + sum(scan[i] for i in edges[rid]))
@@ -711,9 +734,25 @@ def _analyse(p: _Parser) -> dict[str, int]:
                 if t > worst_t or f > worst_f or w > worst_w:
                     _check_fan_out(p, rid, t, f, w)
                     worst_t, worst_f, worst_w = max(worst_t, t), max(worst_f, f), max(worst_w, w)
+    try:
+        visits, _ = grammar_cost.price(
+            rules, p.terms, p.src, root, MAX_SAMPLING_VISITS, MAX_PRICING_WORK
+        )
+    except grammar_cost.PriceExceeded as exc:
+        if exc.rule < 0:
+            raise _GrammarError(
+                f"too ambiguous to price: pricing its sampling cost takes more than "
+                f"{MAX_PRICING_WORK} steps"
+            ) from None
+        raise _GrammarError(
+            f"too ambiguous: rule '{_short(p.names[exc.rule])}' matches the same text in so "
+            f"many ways that one sampling step would check more than {MAX_SAMPLING_VISITS} "
+            "(parse stack, token) pairs"
+        ) from None
     return {
         "rules": n,
         "elements": p.elements,
+        "sampling_visits": visits,
         "left_scan": total,
         "left_depth": max(depth, default=0),
         "stacks": worst_f,

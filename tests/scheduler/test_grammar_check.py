@@ -760,3 +760,79 @@ def _mutate(text: str, edits: list[tuple[int, str]]) -> str:
         at = at % (len(text) + 1)
         text = text[:at] + piece + text[at:]
     return text
+
+
+# -- the sampler's cost (wire/grammar_cost.py) ---------------------------------------------
+
+
+def alternatives_under_repetition(k: int) -> str:
+    """Issue 31's grammar: k alternatives of the same class under ``+`` (k^n paths)."""
+    return (
+        "root ::= item+\nitem ::= "
+        + " | ".join(f"c{i}" for i in range(k))
+        + "\n"
+        + "".join(f"c{i} ::= [a-z ]\n" for i in range(k))
+    )
+
+
+def test_sixteen_equal_alternatives_under_repetition_are_refused_with_the_limit():
+    text = alternatives_under_repetition(16)
+    message = refused(text)
+    assert "too ambiguous" in message and f"{gc.MAX_SAMPLING_VISITS}" in message
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_fewer_equal_alternatives_under_repetition_are_refused_too(k):
+    assert "too ambiguous" in refused(alternatives_under_repetition(k))
+
+
+def test_one_alternative_under_repetition_is_cheap():
+    stats = grammar_stats(alternatives_under_repetition(1))
+    assert stats["sampling_visits"] < gc.MAX_SAMPLING_VISITS // 100
+
+
+def test_the_ambiguity_is_found_behind_a_long_prefix():
+    """Past the longest token from root: priced from the repeated rule's own start."""
+    text = 'root ::= "q"{40} item+\nitem ::= a | b\na ::= [a-z]\nb ::= [a-z]\n'
+    assert "too ambiguous" in refused(text)
+
+
+def test_doubling_stacks_are_refused():
+    assert "too ambiguous" in refused('root ::= s\ns ::= "a" s "b" | "a" s "c" | ""\n')
+
+
+def test_json_gbnf_and_schema_grammars_are_priced_under_the_limit():
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    assert grammar_stats(LLAMA_JSON_GBNF)["sampling_visits"] < gc.MAX_SAMPLING_VISITS / 4
+    for schema in TYPICAL_SCHEMAS:
+        gbnf = json_schema_to_gbnf(json.dumps(schema))
+        assert grammar_stats(gbnf)["sampling_visits"] < gc.MAX_SAMPLING_VISITS / 4
+
+
+def test_tool_call_grammars_are_priced_under_the_limit():
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    from inference import tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14}}}}}
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "required": ["query"], "properties": {
+            "query": {"type": "string", "pattern": "^[a-z ]{1,40}$"},
+            "tags": {"type": "array", "items": {"type": "string"}}}}}}
+    for choice in ("auto", "required"):
+        plan = tools.plan({"tools": [weather, search], "tool_choice": choice})
+        gbnf = json_schema_to_gbnf(json.dumps(plan.schema))
+        assert grammar_stats(gbnf)["sampling_visits"] < gc.MAX_SAMPLING_VISITS / 4
+
+
+def test_a_schema_whose_grammar_is_too_ambiguous_is_refused_on_its_field(grammar_for):
+    # anyOf of equal string schemas under an array: each element matches k ways
+    schema = {"type": "array", "items": {"anyOf": [
+        {"type": "string", "pattern": f"^[a-z]{{1,{10 + i}}}$"} for i in range(8)]}}
+    with pytest.raises(InvalidParameter) as info:
+        grammar_for(SamplingParams.from_dict({"json_schema": schema}))
+    assert info.value.param == "json_schema" and "too ambiguous" in info.value.message

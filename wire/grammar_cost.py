@@ -1,0 +1,357 @@
+"""What one grammar-constrained sampling call costs llama.cpp, bounded before it runs.
+
+llama.cpp's grammar sampler (``llama_grammar_apply_impl`` in ``src/llama-grammar.cpp``)
+checks every candidate token of the vocabulary against every parse stack, one character at
+a time: ``llama_grammar_reject_candidates_for_stack`` matches the token's next character
+against the stack's top, advances the stack (``llama_grammar_advance_stack``: a set of next
+stacks) and recurses into each next stack with the candidates still alive. Equal stacks are
+merged inside one advance, never across the branches of that recursion, so a token is
+checked once per *path* of stacks, not once per distinct stack: an ambiguous repetition
+(``item+`` with ``item ::= c0 | ... | c15``, every ``ck`` the same class) has k paths after
+one character and k^n after n. A token the grammar rejects walks all of its paths; one it
+accepts stops at the first path that takes it whole.
+
+This module counts those paths. It rebuilds llama.cpp's stacks (positions in the flattened
+rules, advanced the same way) and runs them over an abstract alphabet: the intervals of
+code points that no terminal of the grammar tells apart, so one representative stands for
+each interval. A state is the stacks alive after some string, each weighted by the number of
+paths that reach it; states with the same stacks are merged keeping the larger weight of
+each (an upper bound). ``C(n)`` is the most stack visits any string of at most ``n``
+characters costs (the weights summed over its prefixes). It starts from ``root`` and from
+every rule reference inside every alternative (where a sampler can stand after some output;
+a path that leaves the alternative ends there: what follows is priced from its own start),
+up to ``MAX_TOKEN_CHARS`` characters, the longest token piece of the served vocabularies.
+
+The cost of one sampling call is then estimated as ``sum over n of N(n) * C(n)``, ``N`` being
+how many tokens of the largest served vocabulary (Gemma 3's, 262,144 tokens) have ``n``
+characters: visits of (stack, token) pairs, the unit of the sampler's work.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+# Strings are priced up to MAX_TOKEN_CHARS characters. PIECE_LENGTHS[n]: how many tokens
+# have a piece of n characters, the larger count of the served vocabularies (counted from the
+# GGUFs with llama_token_to_piece): Gemma 3, 262,144 tokens of at most 31 characters, and
+# SmolLM2, 49,152 tokens of up to 81 (runs of "=", "-", spaces). A piece longer than
+# MAX_TOKEN_CHARS is priced as C(MAX_TOKEN_CHARS) scaled by its length (linear
+# extrapolation: 62 tokens of SmolLM2).
+MAX_TOKEN_CHARS = 32
+# States kept per string length while pricing (the heaviest): bounds the pricing's own time.
+MAX_PRICING_STATES = 8
+PIECE_LENGTHS = (
+    0, 19483, 22111, 29689, 35963, 34914, 29539, 24360, 18943, 14189, 10292, 7814, 9579,
+    2560, 1454, 753, 456, 32, 19, 9, 5, 6, 3, 3, 3, 8, 3, 3, 3, 3, 3, 3, 7, 2, 2, 2, 2, 2,
+    1, 2, 2, 2, 2, 1, 2, 2, 2, 2, 3, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 4, 3, 1,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1,
+)
+# (characters n, tokens of at least n characters): what C(n) is multiplied by, at least
+_AT_LEAST = tuple(
+    sum(PIECE_LENGTHS[n : MAX_TOKEN_CHARS + 1]) for n in range(MAX_TOKEN_CHARS + 2)
+)
+_LONG_WEIGHT = sum(
+    count * length / MAX_TOKEN_CHARS
+    for length, count in enumerate(PIECE_LENGTHS) if length > MAX_TOKEN_CHARS
+)
+
+_UNICODE_END = 0x110000
+_END, _REF, _CHAR, _DEAD = 0, 1, 2, 3  # element kinds (_DEAD: a token: matched by id only)
+
+
+class PriceExceeded(Exception):
+    """The grammar's estimated cost passes the limit (or cannot be priced within budget)."""
+
+    def __init__(self, message: str, rule: int) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+_SIMPLE = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
+_HEX_SIZE = {"x": 2, "u": 4, "U": 8}
+
+
+def _decode_char(text: str, pos: int) -> tuple[int, int]:
+    """(code point, next position) of one character of a literal or class (parse_char);
+    the text was validated by the parser."""
+    c = text[pos]
+    if c != "\\":
+        return ord(c), pos + 1
+    e = text[pos + 1]
+    if e in _HEX_SIZE:
+        size = _HEX_SIZE[e]
+        return int(text[pos + 2 : pos + 2 + size], 16), pos + 2 + size
+    return _SIMPLE[e], pos + 2
+
+
+def _term_elements(kind: str, text: str) -> list[tuple[bool, tuple[tuple[int, int], ...]] | None]:
+    """A terminal's llama.cpp elements: (negated, ranges) per character element, None for a
+    token element. ``.`` is a negated empty class (any character)."""
+    if kind == "dot":
+        return [(True, ())]
+    if kind == "tok":
+        return [None]
+    if kind == "lit":
+        out: list[tuple[bool, tuple[tuple[int, int], ...]] | None] = []
+        pos, end = 1, len(text) - 1
+        while pos < end:
+            cp, pos = _decode_char(text, pos)
+            out.append((False, ((cp, cp),)))
+        return out
+    pos, end = 1, len(text) - 1
+    negated = text[1] == "^"
+    if negated:
+        pos += 1
+    ranges = []
+    while pos < end:
+        lo, pos = _decode_char(text, pos)
+        hi = lo
+        if text[pos] == "-" and pos + 1 < end:
+            hi, pos = _decode_char(text, pos + 1)
+        ranges.append((lo, hi))
+    return [(negated, tuple(ranges))]
+
+
+class _Machine:
+    """llama.cpp's flattened rules: ``kind[pos]``/``arg[pos]`` per element, each alternative
+    ending in an _END; ``alts[rule]`` the first position of each alternative."""
+
+    def __init__(self, rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]],
+                 src: str) -> None:
+        decoded = {}
+        kind: list[int] = []
+        arg: list[object] = []
+        self.alts: list[list[int]] = []
+        self.owner: list[int] = []  # position -> rule
+        for rid, alternatives in enumerate(rules):
+            starts = []
+            for alt in alternatives:
+                starts.append(len(kind))
+                for item in alt:
+                    if item >= 0:
+                        kind.append(_REF)
+                        arg.append(item)
+                        continue
+                    j = -item - 1
+                    elements = decoded.get(j)
+                    if elements is None:
+                        _, k, start, end = terms[j]
+                        elements = decoded[j] = _term_elements(k, src[start:end])
+                    for el in elements:
+                        kind.append(_DEAD if el is None else _CHAR)
+                        arg.append(el)
+                kind.append(_END)
+                arg.append(None)
+            self.owner.extend([rid] * (len(kind) - len(self.owner)))
+            self.alts.append(starts)
+        # the abstract alphabet: intervals that no character element splits
+        cuts = {0, _UNICODE_END}
+        for k, a in zip(kind, arg):
+            if k == _CHAR:
+                for lo, hi in a[1]:  # type: ignore[index]
+                    cuts.add(lo)
+                    cuts.add(min(hi + 1, _UNICODE_END))
+        bounds = sorted(cuts)
+        self.n_classes = len(bounds) - 1
+        full = (1 << self.n_classes) - 1
+        masks: dict[object, int] = {}
+        for pos, (k, a) in enumerate(zip(kind, arg)):
+            if k != _CHAR:
+                continue
+            mask = masks.get(a)
+            if mask is None:
+                mask = 0
+                for lo, hi in a[1]:  # type: ignore[index]
+                    if hi < lo:
+                        continue
+                    i = bisect.bisect_left(bounds, lo)
+                    j = bisect.bisect_left(bounds, min(hi + 1, _UNICODE_END))
+                    mask |= ((1 << j) - 1) ^ ((1 << i) - 1)
+                if a[0]:  # type: ignore[index]
+                    mask ^= full
+                masks[a] = mask
+            arg[pos] = mask
+        self.kind = kind
+        self.arg = arg
+        self.full = full
+        self._advanced: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
+        self._refs: dict[int, int] = {}
+        self.work = 0
+
+    def ref_of(self, rule: int) -> int:
+        """A position holding a lone reference to ``rule`` (added after the rules)."""
+        pos = self._refs.get(rule)
+        if pos is None:
+            pos = self._refs[rule] = len(self.kind)
+            self.kind += [_REF, _END]
+            self.arg += [rule, None]
+            self.owner += [rule, rule]
+        return pos
+
+    def advance(self, stack: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """``llama_grammar_advance_stack``: the stacks topped by a terminal (or empty)."""
+        done = self._advanced.get(stack)
+        if done is not None:
+            return done
+        kind, arg, alts = self.kind, self.arg, self.alts
+        out: dict[tuple[int, ...], None] = {}
+        seen = set()
+        todo = [stack]
+        while todo:
+            cur = todo.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            self.work += 1 + len(cur)
+            if not cur or kind[cur[-1]] != _REF:
+                out[cur] = None
+                continue
+            pos = cur[-1]
+            base = cur[:-1] if kind[pos + 1] == _END else cur[:-1] + (pos + 1,)
+            for start in alts[arg[pos]]:  # type: ignore[index]
+                todo.append(base if kind[start] == _END else base + (start,))
+        result = tuple(out)
+        self._advanced[stack] = result
+        return result
+
+    def after(self, stack: tuple[int, ...]) -> tuple[int, ...]:
+        """The stack once its top character element has matched."""
+        pos = stack[-1]
+        return stack[:-1] if self.kind[pos + 1] == _END else stack[:-1] + (pos + 1,)
+
+
+def _price_from(m: _Machine, start: dict[tuple[int, ...], int], limit: int,
+                budget: int) -> int:
+    """The estimated visits of one sampling call from the weighted stacks ``start`` (see
+    the module docstring). Raises ``PriceExceeded`` (rule -1) when the pricing's own work
+    passes ``budget``, and stops early with a cost above ``limit`` once it is certain."""
+    kind, arg = m.kind, m.arg
+    top = 0  # C(d): the most visits of a string of at most d characters
+    level = {frozenset(start): (start, sum(start.values()))}
+    cost = 0.0  # sum over n <= d of N(n) * C(n)
+    for d in range(1, MAX_TOKEN_CHARS + 1):
+        nxt: dict[frozenset, tuple[dict[tuple[int, ...], int], int]] = {}
+        for weights, cum in level.values():
+            top = max(top, cum)
+            groups: list[tuple[int, list[tuple[int, ...]]]] = [(m.full, [])]
+            for stack in weights:
+                if not stack or kind[stack[-1]] != _CHAR:
+                    continue
+                mask = arg[stack[-1]]
+                split = []
+                for g, members in groups:
+                    inside, outside = g & mask, g & ~mask  # type: ignore[operator]
+                    if inside:
+                        split.append((inside, members + [stack]))
+                    if outside:
+                        split.append((outside, members))
+                groups = split
+            for _, members in groups:
+                if not members:
+                    continue
+                new: dict[tuple[int, ...], int] = {}
+                for stack in members:
+                    w = weights[stack]
+                    for s in m.advance(m.after(stack)):
+                        new[s] = new.get(s, 0) + w
+                m.work += len(new)
+                total = cum + sum(new.values())
+                top = max(top, total)
+                key = frozenset(new)
+                old = nxt.get(key)
+                if old is not None:
+                    merged = {s: max(w, old[0][s]) for s, w in new.items()}
+                    nxt[key] = (merged, max(total, old[1]))
+                else:
+                    nxt[key] = (new, total)
+            if m.work > budget:
+                raise PriceExceeded("", -1)
+        if len(nxt) > MAX_PRICING_STATES:  # the heaviest states: where the paths multiply
+            kept = sorted(nxt.items(), key=lambda kv: kv[1][1], reverse=True)
+            nxt = dict(kept[:MAX_PRICING_STATES])
+        cost += PIECE_LENGTHS[d] * top
+        rest = _AT_LEAST[d + 1]
+        if cost + (rest + _LONG_WEIGHT) * top > limit or not nxt:
+            return int(cost + (rest + _LONG_WEIGHT) * top)
+        level = nxt
+    return int(cost + _LONG_WEIGHT * top)
+
+
+def _recursive_rules(m: _Machine) -> list[int]:
+    """Rules that can reach themselves through references (repetitions are such rules):
+    paths only multiply without end around such a cycle (iterative Tarjan)."""
+    n = len(m.alts)
+    edges: list[list[int]] = [[] for _ in range(n)]
+    for pos, k in enumerate(m.kind):
+        if k == _REF:
+            edges[m.owner[pos]].append(m.arg[pos])  # type: ignore[arg-type]
+    index = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    stack: list[int] = []
+    out: list[int] = []
+    counter = 0
+    for root in range(n):
+        if index[root] >= 0:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on_stack[v] = True
+            if i < len(edges[v]):
+                work.append((v, i + 1))
+                w = edges[v][i]
+                if index[w] < 0:
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1 or v in edges[v]:
+                    out.extend(component)
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return sorted(out)
+
+
+def price(rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]], src: str,
+          root: int, limit: int, budget: int) -> tuple[int, int]:
+    """(estimated stack visits of one sampling call, the rule where it is worst).
+
+    Raises ``PriceExceeded`` once a start passes ``limit`` (its rule) or the pricing itself
+    passes ``budget`` steps (rule -1)."""
+    m = _Machine(rules, terms, src)
+    starts: list[tuple[int, dict[tuple[int, ...], int]]] = []
+    init: dict[tuple[int, ...], int] = {}
+    for start in m.alts[root]:
+        for s in m.advance(() if m.kind[start] == _END else (start,)):
+            init[s] = 1
+    starts.append((root, init))
+    seen_sets = {frozenset(init)}
+    for rid in _recursive_rules(m):
+        stacks = m.advance((m.ref_of(rid),))
+        key = frozenset(stacks)
+        if key not in seen_sets:
+            seen_sets.add(key)
+            starts.append((rid, dict.fromkeys(stacks, 1)))
+    worst, worst_rule = 0, root
+    for rid, start in starts:
+        cost = _price_from(m, start, limit, budget)
+        if cost > worst:
+            worst, worst_rule = cost, rid
+        if cost > limit:
+            raise PriceExceeded("", rid)
+    return worst, worst_rule
+
