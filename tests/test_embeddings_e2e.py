@@ -115,3 +115,81 @@ def test_the_chat_model_embeds_too(web):
     shared_daemon(web, "chat")
     reply = openai_client(web).embeddings.create(model=SMOLLM2, input="hello")
     assert len(reply.data[0].embedding) == 576
+
+
+# -- #31: a burst of embeddings never starves another tenant; the overflow case ------------
+
+BURST = 10
+BURST_INPUT = [[651] * 2048] * 7  # 7 x 2,048 ids: within the limits, 112 decodes of 128
+
+
+def test_another_tenant_is_served_while_an_embeddings_burst_runs(web):
+    """One tenant's 10 x 7 x 2,048 ids against a daemon whose intake holds 4 jobs
+    (N_PARALLEL 2 + LOCAL_QUEUE 2): the other tenant's chat and its one-input embeddings
+    are both answered before the burst's first request finishes (its 112 embeddings
+    decodes; the chat needs its prompt and 8 ticks, taking turns with embeddings by time;
+    the one input waits for at most the 2,048-token input open at its arrival: tenants take
+    turns by decode, and at N_CTX 2048 the context holds one whole input). The burst's jobs past the tenant's EMBEDDINGS_TENANT_TOKENS get 429
+    ``tenant_queue_full`` with a Retry-After; the ones held are cut short by the daemon's
+    stop at the end (the deadline below is only a backstop: it is never what passes)."""
+    import threading
+    import time
+
+    from tests.live_service import RealDaemon, wait_until
+
+    daemon = RealDaemon(web, f"gemma-burst-{threading.get_ident() % 10**6}",
+                        LOCAL_QUEUE="2").start()
+    burst: list[tuple[int, dict, float]] = []
+    lock = threading.Lock()
+
+    def send_one() -> None:
+        reply = web.request("POST", "/v1/embeddings", {"model": daemon.model,
+                                                      "input": BURST_INPUT},
+                            key=web.keys["owner"], timeout=1800)
+        status, retry_after = reply.status, reply.header("Retry-After")
+        body = reply.json()
+        with lock:
+            burst.append((status, {"body": body, "retry_after": retry_after},
+                          time.monotonic()))
+
+    threads = [threading.Thread(target=send_one, daemon=True) for _ in range(BURST)]
+    try:
+        for thread in threads:
+            thread.start()
+        # the daemon has answered every burst request it will not hold (429s) and holds the
+        # rest: they are running or waiting in it, not in Redis
+        wait_until(lambda: len(burst) >= BURST - 4 and all(s == 429 for s, _, _ in burst),
+                   timeout_s=300)
+        refused = [extra for status, extra, _ in burst if status == 429]
+        assert all(r["body"]["error"]["code"] == "tenant_queue_full" and
+                   int(r["retry_after"]) >= 1 for r in refused)
+        held = BURST - len(refused)
+        assert held >= 4  # at least the intake's 4: the old count would have been full
+
+        api = openai_client(web, web.keys["outsider"])
+        chat = api.chat.completions.create(
+            model=daemon.model, max_tokens=8, temperature=0, timeout=600,
+            messages=[{"role": "user", "content": "Say hello."}])
+        chat_at = time.monotonic()
+        one = api.embeddings.create(model=daemon.model, input="a cat sat on the mat",
+                                    timeout=600)
+        one_at = time.monotonic()
+        assert chat.usage.completion_tokens >= 1 and len(one.data[0].embedding) == 640
+        with lock:
+            finished = [at for status, _, at in burst if status != 429]
+        assert not finished or min(finished) > max(chat_at, one_at), \
+            "the other tenant waited for the burst"
+        assert len(finished) == 0  # none of the burst's held requests had finished
+    finally:
+        daemon.stop()  # the held burst requests end (shutting_down / interrupted)
+        for thread in threads:
+            thread.join(timeout=120)
+
+
+def test_a_full_context_input_between_two_others_answers_200(web, daemon):
+    # #31: this failed with 500 engine_error after ~40 s ("failed to find a memory slot")
+    api = openai_client(web)
+    reply = api.embeddings.create(model=daemon.model, timeout=900,
+                                  input=[[651] * 100, [651] * 2048, [651] * 10])
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    assert reply.usage.prompt_tokens == 2158
