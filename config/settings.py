@@ -260,9 +260,13 @@ KV_TENANT_SHARE = env_float("KV_TENANT_SHARE", 0.5)
 # PREEMPT_MIN_TOKENS since it got its slot. docs/scheduler.md, "Preemption".
 PREEMPTION = env_bool("PREEMPTION", True)
 PREEMPT_MIN_TOKENS = env_int("PREEMPT_MIN_TOKENS", 16)
-# Test-only: a job whose prompt holds scheduler_daemon.transport.FAULT_MARKER aborts the
-# daemon process (to test the supervisor and the quarantine). Never on in production.
+# Test-only: a job whose prompt holds scheduler_daemon.intake.FAULT_MARKER aborts the daemon
+# process, one holding run_scheduler.HANG_MARKER stops its loop for good (to test the
+# supervisor, its watchdog and the quarantine). Never on in production.
 FAULT_INJECTION = env_bool("FAULT_INJECTION", False)
+# A hang is a crash: the supervisor kills a daemon whose loop has not completed a turn (a
+# tick, an embeddings batch) for this long, and restarts it (docs/daemon.md). 0: never.
+TICK_DEADLINE_S = env_float("TICK_DEADLINE_S", 30.0)
 # A request that was streaming when its daemon died is continued by the daemon that takes
 # it over (its tokens replayed, docs/daemon.md); off: it ends with inference_interrupted.
 CONTINUE_STREAMS = env_bool("CONTINUE_STREAMS", True)

@@ -169,6 +169,18 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
     ram_budget = GaugeMetricFamily(
         "llm_ram_cache_budget_bytes", "The RAM prompt cache's budget.", labels=labels
     )
+    stuck = GaugeMetricFamily(
+        "llm_daemon_stuck", "1 while the daemon's loop has not turned for a while (its "
+        "supervisor kills it at TICK_DEADLINE_S).", labels=labels)
+    stalled = GaugeMetricFamily(
+        "llm_daemon_loop_stalled_seconds", "Seconds since the daemon's loop last turned.",
+        labels=labels)
+    longest = GaugeMetricFamily(
+        "llm_daemon_longest_turn_seconds", "The daemon's longest loop turn since it started.",
+        labels=labels)
+    restarts = GaugeMetricFamily(
+        "llm_daemon_restarts", "Times the supervisor restarted this daemon id (crashes, hangs).",
+        labels=labels)
     per_model: dict[str, int] = {}
     for snap in snapshots:
         key = [str(snap.get("daemon_id", "")), str(snap.get("model", ""))]
@@ -199,6 +211,11 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         cache = snap.get("cache") or {}
         ram_bytes.add_metric(key, cache.get("ram_bytes", 0))
         ram_budget.add_metric(key, cache.get("ram_budget_bytes", 0))
+        loop = snap.get("loop") or {}
+        stuck.add_metric(key, 1 if loop.get("stuck") else 0)
+        stalled.add_metric(key, loop.get("stalled_s") or 0)
+        longest.add_metric(key, loop.get("longest_turn_s") or 0)
+        restarts.add_metric(key, snap.get("restarts") or 0)
     for model, n in per_model.items():
         live.add_metric([model], n)
     yield from (
@@ -219,6 +236,10 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         blocks_total,
         ram_bytes,
         ram_budget,
+        stuck,
+        stalled,
+        longest,
+        restarts,
     )
 
 

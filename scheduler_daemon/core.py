@@ -43,6 +43,7 @@ from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
 from .embed_batch import EmbeddingBatcher, EmbeddingJob
+from .liveness import RUNNING, STUCK_AFTER_S, LoopClock
 from .scheduler import Scheduler, SchedulerConfig
 from .state import (
     Choice,
@@ -62,6 +63,7 @@ DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
 # the embeddings context holds two whole inputs: a full-length one never keeps another
 # tenant's input from beginning (embed_batch.py)
 EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
+SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
 
 
@@ -180,6 +182,11 @@ class InferenceCore:
         self._siblings: dict[str, tuple[ChoiceGroup, int]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # the loop's marks, read without its lock: the heartbeat, the supervisor's watchdog
+        self.clock = LoopClock()
+        self.stuck_after_s = STUCK_AFTER_S  # the snapshot says "stuck" past this
+        self.longest_turn_s = 0.0  # since start: how near legitimate work comes to a hang
+        self._last_scheduler_snapshot: dict[str, Any] = {}
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> InferenceCore:
@@ -272,8 +279,17 @@ class InferenceCore:
         """Tick until stopped. A tick that raises fails the requests of its batch, not every
         request; only ticks that keep failing with no request to blame (the engine itself is
         unusable) fail everything in flight."""
+        try:
+            self._turns()
+        finally:
+            self.clock.stop()  # ended on purpose: no watchdog kills a draining daemon
+
+    def _turns(self) -> None:
         failures = 0
+        last = time.monotonic()
         while not self._stop.is_set():
+            now = self.clock.mark()  # the previous turn completed (the watchdog reads this)
+            self.longest_turn_s, last = max(self.longest_turn_s, now - last), now
             try:
                 if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
                     log.critical("fault injection: aborting the process")
@@ -785,15 +801,40 @@ class InferenceCore:
             raise InvalidParameter(field, "is not valid UTF-8 text") from None
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request wherever it is; it ends with finish_reason ``cancelled``."""
+        """Cancel a request wherever it is; it ends with finish_reason ``cancelled``. Never
+        waits for the scheduler's lock (the cancel and watch threads call this while the
+        loop may be stuck holding it): a cancel that finds it taken applies at the next
+        plan, and counts as known."""
         group = self._groups.get(request_id)
         if group is not None:
-            results = [self.scheduler.cancel(f"{request_id}#{i}") for i in range(group.n)]
-            return any(results)
-        return self.scheduler.cancel(request_id) or self._cancel_embeddings(request_id)
+            results = [self.scheduler.cancel(f"{request_id}#{i}", block=False)
+                       for i in range(group.n)]
+            return any(r is not False for r in results)
+        known = self.scheduler.cancel(request_id, block=False)
+        return self._cancel_embeddings(request_id) or known is not False
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.scheduler.snapshot(), "embeddings": self.embeddings}
+        """The scheduler's state and the loop's liveness, without waiting on a stuck loop:
+        when the scheduler's lock stays taken, its last state is shown, marked stale."""
+        loop = self.loop_state()
+        scheduler = self.scheduler.snapshot(wait_s=SNAPSHOT_LOCK_WAIT_S)
+        if scheduler is None:
+            scheduler = {**self._last_scheduler_snapshot, "stale": True}
+        else:
+            self._last_scheduler_snapshot = scheduler
+        return {**scheduler, "embeddings": self.embeddings, "loop": loop}
+
+    def loop_state(self) -> dict[str, Any]:
+        """The loop's turns, seconds since its last one, and whether it looks stuck."""
+        state, turns, _at = self.clock.read()
+        stalled = self.clock.stalled_s()
+        stuck = stalled is not None and stalled > self.stuck_after_s
+        sampling = self.scheduler.sampling if stuck else None
+        return {"turns": turns, "stalled_s": None if stalled is None else round(stalled, 2),
+                "stuck": stuck, "running": state == RUNNING,
+                "longest_turn_s": round(self.longest_turn_s, 3),
+                # stuck in one request's sampler: that request's job id (a choice's parent)
+                "stuck_on": sampling.split("#", 1)[0] if sampling else None}
 
     def _tick(self, stats: TickStats) -> None:
         for listener in self.tick_listeners:

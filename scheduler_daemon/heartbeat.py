@@ -68,6 +68,7 @@ class Heartbeat:
         self.fleet_key = queue.fleet_key(model)
         self.load_key = queue.load_key(model)
         self._beats = 0
+        self._hang_recorded: str | None = None  # the request this run's hang record names
 
     def snapshot(self) -> dict[str, Any]:
         """The state published for the admin, /v1/health and /metrics (no prompt text)."""
@@ -108,6 +109,7 @@ class Heartbeat:
         pipe.zadd(protocol.DAEMONS_ZSET, {self.daemon_id: snap["heartbeat_at"]})
         pipe.zremrangebyscore(protocol.DAEMONS_ZSET, 0, snap["heartbeat_at"] - 3600)
         pipe.expire(self.running_key, protocol.RUNNING_TTL_S)
+        self._record_hang(pipe, (snap.get("loop") or {}).get("stuck_on"))
         if self.fleet is not None:
             entry = self.fleet()
             pipe.hset(self.fleet_key, self.daemon_id, entry.encode())
@@ -125,6 +127,19 @@ class Heartbeat:
         self._beats += 1
         if self.fleet is not None and resync:
             self._prune_fleet(snap["heartbeat_at"])
+
+    def _record_hang(self, pipe: Any, stuck_on: str | None) -> None:
+        """While the loop is stuck in one request's sampler, name it for this run's recovery
+        (the watchdog's kill is that request's death, not its neighbours'); gone once the
+        loop turns again."""
+        if self.intake is None or stuck_on == self._hang_recorded:
+            return
+        key = protocol.hang_key(self.daemon_id, self.intake.recovery.run_id)
+        if stuck_on:
+            pipe.set(key, stuck_on, ex=protocol.DEATHS_TTL_S)
+        else:
+            pipe.delete(key)
+        self._hang_recorded = stuck_on
 
     def _prune_fleet(self, now: float) -> None:
         """Drop the fleet entries of daemons that died without a goodbye (the web's gate

@@ -175,6 +175,10 @@ class Intake:
             return len(self._embeddings)
 
     def room(self) -> int:
+        """Jobs it may take now: none while the loop is stuck (they would wait for the
+        watchdog's restart here rather than be served by another daemon)."""
+        if self.core.loop_state()["stuck"]:
+            return 0
         return self.capacity - self.held()
 
     def drain_per_s(self) -> float:

@@ -56,10 +56,12 @@ class LoopClock:
             f.write(bytes(_LAYOUT.size))
         return Path(name)
 
-    def mark(self) -> None:
-        """The loop completed a turn (the loop thread only)."""
+    def mark(self) -> float:
+        """The loop completed a turn (the loop thread only); returns the time marked."""
         self.turns += 1
-        _LAYOUT.pack_into(self._map, 0, RUNNING, self.turns, time.monotonic())
+        now = time.monotonic()
+        _LAYOUT.pack_into(self._map, 0, RUNNING, self.turns, now)
+        return now
 
     def stop(self) -> None:
         """The loop ended on purpose: no longer watched."""

@@ -13,7 +13,9 @@ consumers whose heartbeat key is gone (``reclaim_dead``):
   ``QUARANTINE_AFTER_DEATHS`` distinct deaths it is quarantined: ``llm:quarantine`` records
   the fingerprint, the request ends with ``request_quarantined`` (400), and any later job
   with that fingerprint is refused before it reaches the engine. The fingerprint includes
-  the tenant (``intake.job_fingerprint``): one tenant's copies never count for another's;
+  the tenant (``intake.job_fingerprint``): one tenant's copies never count for another's.
+  A run killed by the watchdog while stuck in one request's sampler (its heartbeat named it:
+  ``protocol.hang_key``) is that request's death alone: its neighbours go on uncounted;
 - any other job is taken over (its owner key moves from the dead daemon to this one, a
   compare-and-set the web's give-up cannot also win: ``wire/ownership.py``) and goes back
   into the prepare queue: served from the start if no token event went out, else
@@ -166,6 +168,7 @@ class Recovery:
         run of the same id may have written its own since)."""
         running_key = protocol.running_key(dead)
         started = {as_text(k): as_text(v) for k, v in self.redis.hgetall(running_key).items()}
+        blamed = self._hangs(dead, started)
         recovered: list[str] = []
         for entry_id, fields in claimed:
             if not fields:  # the entry was deleted: nothing left to serve
@@ -174,7 +177,14 @@ class Recovery:
             try:
                 job = protocol.Job.decode(fields)
                 recovered.append(job.id)
-                self._recover(as_text(entry_id), job, dead, started.get(job.id))
+                running = started.get(job.id)
+                if running is not None and blamed.get(protocol.parse_running_entry(running)[0],
+                                                      job.id) != job.id:
+                    log.warning("job %s was running when run %s of daemon %s hung in another "
+                                "request's sampler: not its death", job.id,
+                                protocol.parse_running_entry(running)[0], dead)
+                    running = None
+                self._recover(as_text(entry_id), job, dead, running)
             except redis.RedisError:
                 raise
             except Exception:
@@ -184,6 +194,15 @@ class Recovery:
         if read:
             self._forget_running([running_key], read)
         return len(claimed)
+
+    def _hangs(self, dead: str, started: dict[str, str]) -> dict[str, str]:
+        """The runs of ``dead`` among ``started``'s that hung in one request's sampler: run id
+        -> that request (the heartbeat's record, ``protocol.hang_key``)."""
+        runs = sorted({protocol.parse_running_entry(v)[0] for v in started.values()})
+        if not runs:
+            return {}
+        found = self.redis.mget([protocol.hang_key(dead, run) for run in runs])
+        return {run: as_text(f) for run, f in zip(runs, found, strict=True) if f is not None}
 
     def _recover(self, entry_id: str, job: protocol.Job, dead: str, running: str | None) -> None:
         """One job a dead daemon had read (see the module docstring); ``running``: its entry

@@ -12,6 +12,7 @@ and rolled back, never changed from another thread mid-decode.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -144,7 +145,11 @@ class Scheduler:
         self._requests: dict[str, RequestState] = {}
         self._preempted: list[RequestState] = []  # out of their slots, oldest preemption first
         self._cancels: set[str] = set()
+        self._deferred_cancels: collections.deque[str] = collections.deque()  # see cancel()
         self._in_flight: set[str] = set()
+        # the request whose sampler runs now (set on the loop thread, read without the lock:
+        # a loop stuck here is stuck on this request's grammar or sampler, not on the others)
+        self.sampling: str | None = None
         self.tick_rows: list[str] = []  # requests in the batch of the tick under way
         self.last_plan: TickPlan | None = None  # the latest plan made (for tests and logs)
         budget = config.kv_budget_tokens or engine.n_ctx
@@ -264,14 +269,24 @@ class Scheduler:
             raise
         self._work.set()
 
-    def cancel(self, request_id: str) -> bool:
-        """Ask for a request to end with ``cancelled`` at the next tick. False if unknown."""
-        with self.lock:
+    def cancel(self, request_id: str, block: bool = True) -> bool | None:
+        """Ask for a request to end with ``cancelled`` at the next tick. False if unknown.
+        ``block=False`` never waits for the lock (a stuck loop holds it): when it is taken,
+        the cancel is left for the next plan to apply and the answer is None (not known)."""
+        if not self.lock.acquire(blocking=block):
+            self._deferred_cancels.append(request_id)  # deque.append: atomic, no lock
+            if request_id in self._in_flight:  # a decode in flight stops at its next check
+                self.engine.abort_requested = True
+            self._work.set()
+            return None
+        try:
             if request_id not in self._requests:
                 return False
             self._cancels.add(request_id)
             if request_id in self._in_flight:
                 self.engine.abort_requested = True
+        finally:
+            self.lock.release()
         self._work.set()
         return True
 
@@ -359,10 +374,14 @@ class Scheduler:
         if self._work.wait(timeout):
             self._work.clear()
 
-    def snapshot(self) -> dict[str, Any]:
-        """Slots, queue and counters as plain data. Never any prompt or output text."""
+    def snapshot(self, wait_s: float = -1) -> dict[str, Any] | None:
+        """Slots, queue and counters as plain data. Never any prompt or output text.
+        ``wait_s``: how long to wait for the lock (None when it stays taken: a stuck loop
+        holds it; -1 waits as long as it takes)."""
         now = self._clock()
-        with self.lock:
+        if not self.lock.acquire(timeout=wait_s):
+            return None
+        try:
             return {
                 "slots": [self._slot_info(s) for s in self._slots],
                 "queue": [
@@ -385,6 +404,8 @@ class Scheduler:
                 "counters": dict(self.counters),
                 "cache": {**self.cache.summary(), "entries": self.cache.entries(self._slots, now)},
             }
+        finally:
+            self.lock.release()
 
     # -- the loop thread ----------------------------------------------------------
 
@@ -495,6 +516,8 @@ class Scheduler:
     def _apply_cancels(self) -> list[str]:
         """End every request cancelled since the last tick, then every one past its
         deadline (``_expire``); returns their ids."""
+        while self._deferred_cancels:  # cancels that found the lock taken
+            self._cancels.add(self._deferred_cancels.popleft())
         cancels, self._cancels = self._cancels, set()
         ended = []
         for request_id in cancels:
@@ -834,8 +857,10 @@ class Scheduler:
     def _sample_row(self, req: RequestState, batch_index: int, now: float) -> None:
         """Sample and take one request's next token; whatever fails here fails that
         request alone (its sampler, its grammar, its text decoding, its stop strings)."""
+        self.sampling = req.id
         try:
             token = req.sampler.sample(batch_index)
+            self.sampling = None
             logprob = None
             if req.params.logprobs is not None:  # only requests that ask pay for it
                 logprob = self.engine.token_logprobs(batch_index, token, req.params.logprobs)
@@ -845,6 +870,8 @@ class Scheduler:
             self._finish(req, Status.FINISHED_STOPPED)
         except Exception as exc:
             self.fail_request(req.id, exc)
+        finally:
+            self.sampling = None
 
     def fail_request(self, request_id: str, exc: BaseException) -> bool:
         """End one request with ``engine_error`` after a failure tied to it; its slot and KV

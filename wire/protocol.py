@@ -226,6 +226,12 @@ def parse_running_entry(entry: str) -> tuple[str, str]:
     return run_id, fingerprint
 
 
+def hang_key(daemon_id: str, run_id: str) -> str:
+    """The request a stuck run of a daemon was sampling for (its heartbeat writes it while the
+    loop is stuck; recovery counts that run's death for this request alone)."""
+    return f"{PREFIX}:hang:{daemon_id}/{run_id}"
+
+
 def death_id(daemon_id: str, run_id: str) -> str:
     """One death: the run ``run_id`` of the daemon ``daemon_id`` ended uncleanly."""
     return f"{daemon_id}/{run_id}"

@@ -109,6 +109,9 @@ class BrokenCore:
     def cancel(self, request_id: str) -> bool:
         return False
 
+    def loop_state(self) -> dict:
+        return {"stuck": False}
+
 
 @pytest.fixture
 def intake():
@@ -158,6 +161,9 @@ class AcceptingCore:
     def enqueue(self, **kwargs):
         self.enqueued.append(kwargs["request_id"])
         return 3
+
+    def loop_state(self) -> dict:
+        return {"stuck": False}
 
     def cancel(self, request_id: str) -> bool:
         return False

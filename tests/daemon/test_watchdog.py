@@ -83,8 +83,10 @@ def test_a_loop_not_yet_started_or_stopped_on_purpose_is_no_hang(tmp_path, signa
 
 # -- a real daemon ------------------------------------------------------------------------
 
-LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
-DEADLINE_S = 6.0  # TICK_DEADLINE_S here: "stuck" is published after half of it
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+# TICK_DEADLINE_S here: "stuck" is published after 5 s; a loaded 2-core machine can take a
+# few seconds for a legitimate tick
+DEADLINE_S = 20.0
 
 
 def hang_job(daemon):
@@ -100,34 +102,41 @@ def wait_for_restart(daemon, old_pid: int) -> dict:
 @pytest.mark.slow
 def test_a_hung_loop_is_shown_stuck_then_killed_restarted_and_its_request_quarantined(
         make_daemon):
+    """Another tenant's stream runs next to the hanging request at both hangs: it is
+    continued each time and completes, its fingerprint has no death (the hang was the other
+    request's sampler); the hanging request is quarantined at its second hang."""
     from inference.health import health_report
 
     daemon = make_daemon(FAULT_INJECTION="true", TICK_DEADLINE_S=str(DEADLINE_S),
                          N_PARALLEL="2").start(supervise=True)
     first = daemon.snapshot()
-    assert first["loop"] == {**first["loop"], "stuck": False, "running": True}
+    assert first["loop"]["running"] and not first["loop"]["stuck"]
+    assert first["restarts"] == 0 and first["last_exit"] is None
+    other = daemon.enqueue(prompt="Tell me a long story.", params=LONG, tenant_id="8",
+                           cache_scope="8")
+    daemon.wait_for(other.id, "token")
     hang = hang_job(daemon)
     # stuck, not gone: the heartbeat goes on while the loop holds the scheduler's lock
-    wait_until(lambda: daemon.snapshot().get("loop", {}).get("stuck"), timeout_s=60)
+    wait_until(lambda: daemon.snapshot().get("loop", {}).get("stuck_on") == hang.id,
+               timeout_s=120)
     stuck = daemon.snapshot()
-    assert stuck["pid"] == first["pid"] and stuck["stale"] is True
+    assert stuck["pid"] == first["pid"] and stuck["stale"] is True and stuck["loop"]["stuck"]
     report = health_report()
     mine = [d for d in report["daemons"] if d["daemon_id"] == daemon.daemon_id]
     assert mine and mine[0]["stuck"] is True
-    # another tenant's request sent meanwhile waits in Redis (a stuck daemon takes nothing)
-    other = daemon.enqueue(prompt="Tell me a long story.", params=LONG, tenant_id="8",
-                           cache_scope="8")
     second = wait_for_restart(daemon, first["pid"])
     assert second["restarts"] >= 1 and second["last_exit"].startswith("hung: ")
-    # the hang request runs again there, hangs again, and is quarantined at the second hang;
-    # the other tenant's stream (present at one hang) is continued and completes
-    _, kind, data = daemon.events(hang.id, timeout_s=180)[-1]
+    _, kind, data = daemon.events(hang.id, timeout_s=240)[-1]
     assert kind == "error" and data["code"] == "request_quarantined", data
-    events = daemon.events(other.id, timeout_s=180)
+    events = daemon.events(other.id, timeout_s=240)
     _, kind, data = events[-1]
-    assert (kind, data["finish_reason"]) == ("done", "length"), events[-1]
+    assert (kind, data.get("finish_reason")) == ("done", "length"), (events[-1],
+                                                                      daemon.log_tail(80))
+    assert data["resumed"] == 2  # continued after each hang
     tokens = [d for _, k, d in events if k == "token"]
     assert sum(d["n_tokens"] for d in tokens) == LONG["max_tokens"]
+    assert not daemon.redis.exists(protocol.deaths_key(job_fingerprint(other)))
+    assert len(daemon.redis.smembers(protocol.deaths_key(job_fingerprint(hang)))) == 2
     third = daemon.snapshot()
     assert third["restarts"] == 2 and third["loop"]["stuck"] is False
     log = daemon.log_path.read_text()

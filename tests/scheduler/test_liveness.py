@@ -17,7 +17,7 @@ from scheduler_daemon.scheduler import SchedulerConfig
 from scheduler_daemon.state import FinishedEvent, Request
 from wire.sampling import SamplingParams
 
-from .fake_engine import FakeEngine
+from .fake_engine import FakeEngine, FakeSampler
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> None:
@@ -78,8 +78,9 @@ def test_an_idle_loop_keeps_marking_and_a_stopped_one_is_not_watched():
         assert state["running"] and not state["stuck"]
     finally:
         core.stop(grace_s=1)
-    assert core.loop_state() == {"turns": core.clock.turns, "stalled_s": None, "stuck": False,
-                                 "running": False}
+    state = core.loop_state()
+    assert (state["stalled_s"], state["stuck"], state["running"]) == (None, False, False)
+    assert 0 < state["longest_turn_s"] < 5  # idle turns wait 0.25 s at most
 
 
 def test_a_decode_that_never_returns_shows_as_stuck_and_nothing_waits_for_it():
@@ -91,7 +92,7 @@ def test_a_decode_that_never_returns_shows_as_stuck_and_nothing_waits_for_it():
         submit(core, "a")
         wait_until(lambda: core.loop_state()["stuck"])
         snap = in_thread(core.snapshot)
-        assert snap["loop"]["stuck"] and snap["loop"]["stalled_s"] > 0.3
+        assert snap["loop"]["stuck"] and snap["loop"]["stalled_s"] >= 0.3
         assert in_thread(lambda: core.cancel("a")) is True
         release.set()  # the call returns after all: the loop goes on, the cancel applies
         wait_until(lambda: [e.request_id for e in ends] == ["a"])
@@ -133,3 +134,42 @@ def test_a_loop_stuck_holding_the_lock_still_gives_a_snapshot_and_takes_cancels(
         hold.clear()
         release.set()
         core.stop(grace_s=1)
+
+
+class StuckSampler(FakeSampler):
+    """A sampler that never returns (until released), as llama.cpp's over a bad grammar."""
+
+    release = threading.Event()
+
+    def sample(self, batch_index: int) -> int:
+        if self.seed == 7:
+            self.release.wait()
+        return super().sample(batch_index)
+
+
+class StuckSamplerEngine(FakeEngine):
+    def new_sampler(self, params: SamplingParams) -> FakeSampler:
+        sampler = StuckSampler(self, params)
+        self.samplers.append(sampler)
+        return sampler
+
+
+def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
+    engine = StuckSamplerEngine()
+    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
+    core.stuck_after_s = 0.3
+    StuckSampler.release.clear()
+    core.start()
+    try:
+        core.scheduler.submit(Request(id="innocent", prompt_tokens=[1, 2, 3],
+                                      params=SamplingParams(max_tokens=500, seed=1)))
+        core.scheduler.submit(Request(id="guilty#0", prompt_tokens=[4, 5, 6],
+                                      params=SamplingParams(max_tokens=5, seed=7)))
+        wait_until(lambda: core.loop_state()["stuck"])
+        assert in_thread(core.loop_state)["stuck_on"] == "guilty"  # the job, not the choice
+        StuckSampler.release.set()
+        wait_until(lambda: not core.loop_state()["stuck"])
+        assert core.loop_state()["stuck_on"] is None and core.scheduler.sampling is None
+    finally:
+        StuckSampler.release.set()
+        core.stop(grace_s=0)

@@ -51,8 +51,9 @@ CONFIG_SETTINGS = (
 )
 
 # Test-only (FAULT_INJECTION): a job whose prompt holds this stops the scheduler loop for good
-# at the end of the first tick it is in, holding the scheduler's lock, as a native call that
-# never returns would (the supervisor's watchdog must kill and restart the daemon).
+# at the end of the first tick it is in, holding the scheduler's lock and naming the request
+# as the one it samples, as a sampler that never returns would (the supervisor's watchdog
+# must kill and restart the daemon; recovery blames that request alone).
 HANG_MARKER = "<<hang-the-loop>>"
 
 
@@ -66,9 +67,11 @@ def hang_when_marked(daemon: SchedulerDaemon) -> None:
 
     def after_tick(_stats: object) -> None:
         scheduler = daemon.core.scheduler
-        if marked & scheduler.request_ids():
+        hung = marked & scheduler.request_ids()
+        if hung:
             log.critical("fault injection: the scheduler loop hangs now")
             scheduler.lock.acquire()
+            scheduler.sampling = min(hung)
             threading.Event().wait()
 
     daemon.intake.started.append(started)
