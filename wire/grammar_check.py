@@ -136,7 +136,7 @@ MAX_LEFT_DEPTH = 1024
 MAX_LEFT_SCAN_WORK = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SAMPLING_VISITS = 2 * 10**9  # estimated (stack, token) visits of one sampling call
-MAX_PRICING_WORK = 1_000_000  # steps the pricing itself may take
+MAX_PRICING_WORK = 300_000  # steps the pricing itself may take
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64
@@ -735,7 +735,7 @@ def _analyse(p: _Parser) -> dict[str, int]:
                     _check_fan_out(p, rid, t, f, w)
                     worst_t, worst_f, worst_w = max(worst_t, t), max(worst_f, f), max(worst_w, w)
     try:
-        visits, _ = grammar_cost.price(
+        visits, _, pricing_work = grammar_cost.price(
             rules, p.terms, p.src, root, MAX_SAMPLING_VISITS, MAX_PRICING_WORK
         )
     except grammar_cost.PriceExceeded as exc:
@@ -753,6 +753,7 @@ def _analyse(p: _Parser) -> dict[str, int]:
         "rules": n,
         "elements": p.elements,
         "sampling_visits": visits,
+        "pricing_work": pricing_work,
         "left_scan": total,
         "left_depth": max(depth, default=0),
         "stacks": worst_f,

@@ -18,9 +18,17 @@ each interval. A state is the stacks alive after some string, each weighted by t
 paths that reach it; states with the same stacks are merged keeping the larger weight of
 each (an upper bound). ``C(n)`` is the most stack visits any string of at most ``n``
 characters costs (the weights summed over its prefixes). It starts from ``root`` and from
-every rule reference inside every alternative (where a sampler can stand after some output;
-a path that leaves the alternative ends there: what follows is priced from its own start),
-up to ``MAX_TOKEN_CHARS`` characters, the longest token piece of the served vocabularies.
+every recursive rule (where paths multiply without end; a sampler stands inside one after
+any amount of output), all starts priced together, up to ``MAX_TOKEN_CHARS`` characters,
+the longest token piece of the served vocabularies. After each character the
+``MAX_PRICING_STATES`` heaviest states are kept, and with them the heaviest state of every
+start none of those came from, so cheap rules cannot crowd an ambiguous one out.
+
+States are interned (a set of stacks -> an id) and each state's moves (the next state per
+character class, and which stacks feed which) are computed once: the same few hundred
+states recur at every length and from every start, so following a move is a tuple
+gather. The pricing's own work (stacks advanced, moves followed, weights carried) is
+counted and bounded by the caller's budget.
 
 The cost of one sampling call is then estimated as ``sum over n of N(n) * C(n)``, ``N`` being
 how many tokens of the largest served vocabulary (Gemma 3's, 262,144 tokens) have ``n``
@@ -30,6 +38,8 @@ characters: visits of (stack, token) pairs, the unit of the sampler's work.
 from __future__ import annotations
 
 import bisect
+import operator
+from typing import Any
 
 # Strings are priced up to MAX_TOKEN_CHARS characters. PIECE_LENGTHS[n]: how many tokens
 # have a piece of n characters, the larger count of the served vocabularies (counted from the
@@ -39,7 +49,7 @@ import bisect
 # extrapolation: 62 tokens of SmolLM2).
 MAX_TOKEN_CHARS = 32
 # States kept per string length while pricing (the heaviest): bounds the pricing's own time.
-MAX_PRICING_STATES = 8
+MAX_PRICING_STATES = 16
 PIECE_LENGTHS = (
     0, 19483, 22111, 29689, 35963, 34914, 29539, 24360, 18943, 14189, 10292, 7814, 9579,
     2560, 1454, 753, 456, 32, 19, 9, 5, 6, 3, 3, 3, 8, 3, 3, 3, 3, 3, 3, 7, 2, 2, 2, 2, 2,
@@ -56,15 +66,20 @@ _LONG_WEIGHT = sum(
 )
 
 _UNICODE_END = 0x110000
+# a state's moves: (next state id, then either a getter of the next weights (each next stack
+# has one source) or, per stack of the next state, the indices of its sources; the work of
+# following it)
+_Moves = tuple[tuple[int, Any, tuple[tuple[int, ...], ...] | None, int], ...]
 _END, _REF, _CHAR, _DEAD = 0, 1, 2, 3  # element kinds (_DEAD: a token: matched by id only)
 
 
 class PriceExceeded(Exception):
     """The grammar's estimated cost passes the limit (or cannot be priced within budget)."""
 
-    def __init__(self, message: str, rule: int) -> None:
+    def __init__(self, message: str, rule: int, work: int = 0) -> None:
         super().__init__(message)
         self.rule = rule
+        self.work = work  # the pricing's steps when it stopped
 
 
 _SIMPLE = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
@@ -176,6 +191,11 @@ class _Machine:
         self.full = full
         self._advanced: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         self._refs: dict[int, int] = {}
+        # interned states: a set of stacks -> its id; per id its stacks (a fixed order) and,
+        # once expanded, its moves (see ``moves``)
+        self._ids: dict[frozenset, int] = {}
+        self._stacks: list[tuple[tuple[int, ...], ...]] = []
+        self._moves: list[_Moves | None] = []
         self.work = 0
 
     def ref_of(self, rule: int) -> int:
@@ -219,62 +239,147 @@ class _Machine:
         pos = stack[-1]
         return stack[:-1] if self.kind[pos + 1] == _END else stack[:-1] + (pos + 1,)
 
+    def state(self, stacks: dict[tuple[int, ...], object]) -> int:
+        """The id of the state made of ``stacks`` (interned: one id per set of stacks)."""
+        key = frozenset(stacks)
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = self._ids[key] = len(self._stacks)
+            self._stacks.append(tuple(stacks))
+            self._moves.append(None)
+        return sid
 
-def _price_from(m: _Machine, start: dict[tuple[int, ...], int], limit: int,
-                budget: int) -> int:
-    """The estimated visits of one sampling call from the weighted stacks ``start`` (see
-    the module docstring). Raises ``PriceExceeded`` (rule -1) when the pricing's own work
-    passes ``budget``, and stops early with a cost above ``limit`` once it is certain."""
-    kind, arg = m.kind, m.arg
-    top = 0  # C(d): the most visits of a string of at most d characters
-    level = {frozenset(start): (start, sum(start.values()))}
+    def moves(self, sid: int, budget: int) -> _Moves:
+        """Where state ``sid`` goes on each character (classes that no stack top tells
+        apart are one move): per move the next state's id and, per stack of that state (in
+        its order), the indices of this state's stacks whose paths lead there. Computed
+        once per state: the same states recur at every length and from every start.
+        Raises ``PriceExceeded`` (rule -1) once ``work`` passes ``budget``."""
+        done = self._moves[sid]
+        if done is not None:
+            return done
+        kind, arg = self.kind, self.arg
+        stacks = self._stacks[sid]
+        by_mask: dict[int, list[int]] = {}  # a top's class mask -> the stacks it tops
+        for i, stack in enumerate(stacks):
+            if stack and kind[stack[-1]] == _CHAR:
+                by_mask.setdefault(arg[stack[-1]], []).append(i)  # type: ignore[arg-type]
+        groups = [self.full]  # the alphabet cut where some top's class starts or ends
+        for mask in by_mask:
+            split = []
+            for g in groups:
+                inside, outside = g & mask, g & ~mask
+                if inside:
+                    split.append(inside)
+                if outside:
+                    split.append(outside)
+            groups = split
+        self.work += len(stacks) + len(groups) * (1 + len(by_mask))
+        out = []
+        for g in groups:
+            new: dict[tuple[int, ...], list[int]] = {}
+            for mask, members in by_mask.items():
+                if not g & mask:
+                    continue
+                for i in members:
+                    nexts = self.advance(self.after(stacks[i]))
+                    self.work += len(nexts)
+                    for s in nexts:
+                        new.setdefault(s, []).append(i)
+            if self.work > budget:
+                raise PriceExceeded("", -1, self.work)
+            if not new:
+                continue
+            nid = self.state(new)
+            sources = [new[s] for s in self._stacks[nid]]
+            if all(len(src) == 1 for src in sources):  # one path each: a permutation
+                pick = operator.itemgetter(*(src[0] for src in sources), 0)
+                out.append((nid, pick, None, len(sources)))
+            else:
+                out.append((nid, None, tuple(map(tuple, sources)), sum(map(len, sources))))
+        result = tuple(out)
+        self._moves[sid] = result
+        return result
+
+
+def _price_all(m: _Machine, starts: list[tuple[int, dict[tuple[int, ...], int]]],
+               limit: int, budget: int) -> tuple[int, int]:
+    """(the estimated visits of one sampling call, the start rule where it is worst) from
+    every start at once (see the module docstring): a level holds the states reached after
+    d characters from any start, a state reached from several starts (or strings) keeps the
+    larger weight of each stack and the larger sum (an upper bound of each). Raises
+    ``PriceExceeded`` (rule -1) when the pricing's own work passes ``budget``, and stops
+    early with a cost above ``limit`` once it is certain."""
+    level: dict[int, _Entry] = {}
+    for i, (rule, start) in enumerate(starts):
+        sid = m.state(start)
+        weights = tuple([start[s] for s in m._stacks[sid]])
+        _merge(level, sid, (weights, sum(weights), rule, 1 << i))
+    top, top_rule = 0, starts[0][0]  # C(d): the most visits of a string of <= d characters
     cost = 0.0  # sum over n <= d of N(n) * C(n)
     for d in range(1, MAX_TOKEN_CHARS + 1):
-        nxt: dict[frozenset, tuple[dict[tuple[int, ...], int], int]] = {}
-        for weights, cum in level.values():
-            top = max(top, cum)
-            groups: list[tuple[int, list[tuple[int, ...]]]] = [(m.full, [])]
-            for stack in weights:
-                if not stack or kind[stack[-1]] != _CHAR:
-                    continue
-                mask = arg[stack[-1]]
-                split = []
-                for g, members in groups:
-                    inside, outside = g & mask, g & ~mask  # type: ignore[operator]
-                    if inside:
-                        split.append((inside, members + [stack]))
-                    if outside:
-                        split.append((outside, members))
-                groups = split
-            for _, members in groups:
-                if not members:
-                    continue
-                new: dict[tuple[int, ...], int] = {}
-                for stack in members:
-                    w = weights[stack]
-                    for s in m.advance(m.after(stack)):
-                        new[s] = new.get(s, 0) + w
-                m.work += len(new)
-                total = cum + sum(new.values())
-                top = max(top, total)
-                key = frozenset(new)
-                old = nxt.get(key)
-                if old is not None:
-                    merged = {s: max(w, old[0][s]) for s, w in new.items()}
-                    nxt[key] = (merged, max(total, old[1]))
+        least = _AT_LEAST[d] + _LONG_WEIGHT  # tokens that cost at least C(d) each
+        nxt: dict[int, _Entry] = {}
+        for sid, (weights, cum, rule, origins) in level.items():
+            if cum > top:
+                top, top_rule = cum, rule
+            get = weights.__getitem__
+            for nid, pick, sources, work in m.moves(sid, budget):
+                if pick is not None:
+                    new = pick(weights)[:-1]
                 else:
-                    nxt[key] = (new, total)
+                    new = tuple([sum(map(get, src)) for src in sources])
+                total = cum + sum(new)
+                if total > top:
+                    top, top_rule = total, rule
+                    if cost + top * least > limit:  # certain already: every longer token
+                        return int(cost + top * least), top_rule
+                _merge(nxt, nid, (new, total, rule, origins))
+                m.work += work
             if m.work > budget:
-                raise PriceExceeded("", -1)
-        if len(nxt) > MAX_PRICING_STATES:  # the heaviest states: where the paths multiply
-            kept = sorted(nxt.items(), key=lambda kv: kv[1][1], reverse=True)
-            nxt = dict(kept[:MAX_PRICING_STATES])
+                raise PriceExceeded("", -1, m.work)
+        if len(nxt) > MAX_PRICING_STATES:
+            nxt = _heaviest(nxt)
         cost += PIECE_LENGTHS[d] * top
-        rest = _AT_LEAST[d + 1]
-        if cost + (rest + _LONG_WEIGHT) * top > limit or not nxt:
-            return int(cost + (rest + _LONG_WEIGHT) * top)
+        bound = int(cost + (_AT_LEAST[d + 1] + _LONG_WEIGHT) * top)
+        if bound > limit or not nxt:
+            return bound, top_rule
         level = nxt
-    return int(cost + _LONG_WEIGHT * top)
+    return int(cost + _LONG_WEIGHT * top), top_rule
+
+
+# a level's entry: the state's stacks' weights, the visits so far, the start rule of the
+# heaviest string that reached it, the starts it was reached from (a bit per start)
+_Entry = tuple[tuple[int, ...], int, int, int]
+
+
+def _merge(level: dict[int, _Entry], sid: int, entry: _Entry) -> None:
+    """Add state ``sid`` to ``level``, keeping the larger of each weight where it is there
+    already (an upper bound of both strings)."""
+    old = level.get(sid)
+    if old is None:
+        level[sid] = entry
+    else:
+        weights, cum, rule, origins = entry
+        level[sid] = (tuple(map(max, weights, old[0])), max(cum, old[1]),
+                      rule if cum > old[1] else old[2], origins | old[3])
+
+
+def _heaviest(level: dict[int, _Entry]) -> dict[int, _Entry]:
+    """The ``MAX_PRICING_STATES`` heaviest states (the most visits so far: where the paths
+    multiply), and the heaviest of every start that none of those was reached from: one
+    start's paths are never crowded out by other starts' (many cheap recursive rules
+    cannot hide an ambiguous one)."""
+    ranked = sorted(level.items(), key=lambda kv: kv[1][1], reverse=True)
+    kept = dict(ranked[:MAX_PRICING_STATES])
+    covered = 0
+    for entry in kept.values():
+        covered |= entry[3]
+    for sid, entry in ranked[MAX_PRICING_STATES:]:
+        if entry[3] & ~covered:
+            kept[sid] = entry
+            covered |= entry[3]
+    return kept
 
 
 def _recursive_rules(m: _Machine) -> list[int]:
@@ -327,8 +432,9 @@ def _recursive_rules(m: _Machine) -> list[int]:
 
 
 def price(rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]], src: str,
-          root: int, limit: int, budget: int) -> tuple[int, int]:
-    """(estimated stack visits of one sampling call, the rule where it is worst).
+          root: int, limit: int, budget: int) -> tuple[int, int, int]:
+    """(estimated stack visits of one sampling call, the rule where it is worst, the
+    pricing's own steps).
 
     Raises ``PriceExceeded`` once a start passes ``limit`` (its rule) or the pricing itself
     passes ``budget`` steps (rule -1)."""
@@ -346,12 +452,8 @@ def price(rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]], 
         if key not in seen_sets:
             seen_sets.add(key)
             starts.append((rid, dict.fromkeys(stacks, 1)))
-    worst, worst_rule = 0, root
-    for rid, start in starts:
-        cost = _price_from(m, start, limit, budget)
-        if cost > worst:
-            worst, worst_rule = cost, rid
-        if cost > limit:
-            raise PriceExceeded("", rid)
-    return worst, worst_rule
+    cost, rule = _price_all(m, starts, limit, budget)
+    if cost > limit:
+        raise PriceExceeded("", rule, m.work)
+    return cost, rule, m.work
 
