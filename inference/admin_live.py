@@ -63,6 +63,7 @@ def _scopes(snaps: list[dict[str, Any]]) -> set[str]:
     found: set[str] = set()
     for snap in snaps:
         rows = [*(snap.get("slots") or []), *(snap.get("queue") or []),
+                *(snap.get("preempted") or []),
                 *((snap.get("cache") or {}).get("entries") or [])]
         found.update(str(r["cache_scope"]) for r in rows if r.get("cache_scope") is not None)
         found.update(str(t) for t in ((snap.get("fleet") or {}).get("taken_by_tenant") or {}))
@@ -119,6 +120,8 @@ def live_state(snaps: list[dict[str, Any]], now: float | None = None) -> dict[st
         daemon_id = snap.get("daemon_id")
         state["daemons"].append({**daemon_summary(snap, now), **fleet.get(str(daemon_id), {})})
         state["queue"] += [named(q, daemon_id) for q in snap.get("queue") or []]
+        state["queue"] += [{**named(q, daemon_id), "preempted": True}  # out of a slot a while
+                           for q in snap.get("preempted") or []]
         state["slots"] += [{**named(s, daemon_id), "heartbeat_at": snap.get("heartbeat_at")}
                            for s in snap.get("slots") or []]
         entries = (snap.get("cache") or {}).get("entries") or []

@@ -394,6 +394,17 @@ class Scheduler:
                     }
                     for j in self._waiting
                 ],
+                # out of their slots for another tenant's turn, their KV saved (or to recompute)
+                "preempted": [
+                    {
+                        "request_id": r.id,
+                        "cache_scope": r.cache_scope,
+                        "prompt_tokens": len(r.prompt),
+                        "output_tokens": len(r.output),
+                        "max_tokens": r.max_tokens,
+                    }
+                    for r in self._preempted
+                ],
                 "kv": {
                     "block_tokens": self.config.kv_block_tokens,
                     "blocks_total": self._total_blocks,

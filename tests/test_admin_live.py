@@ -67,6 +67,36 @@ def test_state_names_tenants_and_summarises_daemons(admin_client, daemon, partie
     assert entry["tenant"] == "Alpha" and entry["bytes"] == 4096
 
 
+def test_state_shows_a_stuck_restarted_daemon_and_its_preempted_requests(
+        admin_client, redis_client, parties):
+    daemon_id, now = f"admin-stuck-{uuid.uuid4().hex[:6]}", time.time()
+    preempted = str(uuid.uuid4())
+    snap = {"daemon_id": daemon_id, "model": "m", "heartbeat_at": now, "started_at": now - 5,
+            "stale": True, "restarts": 2, "last_exit": "hung: no loop turn for 31.0 s, killed",
+            "loop": {"turns": 90, "stalled_s": 12.5, "stuck": True, "running": True,
+                     "longest_turn_s": 0.4, "stuck_on": None},
+            "slots": [], "queue": [],
+            "preempted": [{"request_id": preempted, "cache_scope": str(parties.a.pk),
+                           "prompt_tokens": 9, "output_tokens": 40, "max_tokens": 400}]}
+    redis_client.set(protocol.daemon_key(daemon_id), json.dumps(snap), ex=30)
+    redis_client.zadd(protocol.DAEMONS_ZSET, {daemon_id: now})
+    try:
+        state = admin_client.get(STATE_URL).json()
+        health = admin_client.get("/v1/health").json()
+    finally:
+        redis_client.delete(protocol.daemon_key(daemon_id))
+        redis_client.zrem(protocol.DAEMONS_ZSET, daemon_id)
+    mine = next(d for d in state["daemons"] if d["daemon_id"] == daemon_id)
+    assert (mine["stuck"], mine["loop_stalled_s"], mine["restarts"]) == (True, 12.5, 2)
+    assert mine["last_exit"].startswith("hung: ")
+    row = next(q for q in state["queue"] if q["request_id"] == preempted)
+    assert row["preempted"] is True and row["tenant"] == "Alpha" and row["output_tokens"] == 40
+    listed = next(d for d in health["daemons"] if d["daemon_id"] == daemon_id)
+    assert listed["stuck"] is True and listed["restarts"] == 2
+    if len(health["daemons"]) == 1:  # the only daemon: the scheduler as a whole is stuck
+        assert health["scheduler"] == "stuck"
+
+
 @pytest.mark.parametrize("page", ["queue", "slots", "cache", "daemons", "quarantine"])
 def test_live_pages_render_in_the_admin(admin_client, page):
     body = admin_client.get(f"/admin/live/{page}/").content.decode()

@@ -299,3 +299,16 @@ def test_a_requests_own_ram_entry_is_never_matched_or_evicted():
     assert ram.evict_scope("A") == 0
     assert ram.take_owned("a3") is own and ram.total_bytes == 0
     assert ram.take_owned("a3") is None
+
+
+def test_the_snapshot_lists_a_preempted_request_until_it_resumes(harness):
+    h = harness(FakeEngine(n_ctx=4096), preempt_min_tokens=8)
+    four_of_a(h)
+    h.scheduler.submit(req("b0", "B", max_tokens=4, seed=9))
+    h.step()
+    snap = h.scheduler.snapshot()
+    assert [(p["request_id"], p["cache_scope"]) for p in snap["preempted"]] == [("a3", "A")]
+    assert snap["preempted"][0]["output_tokens"] == 10
+    assert "a3" not in [s["request_id"] for s in snap["slots"]]
+    h.run()
+    assert h.scheduler.snapshot()["preempted"] == []

@@ -71,8 +71,11 @@
     queue: (s) => [table(
       [["Daemon"], ["Request id"], ["Tenant"], ["Prompt tokens", "num"], ["Max tokens", "num"],
        ["Age", "num"], [""]],
-      s.queue.map((q) => [q.daemon_id, q.request_id, q.tenant, q.prompt_tokens, q.max_tokens,
-                          secs(q.age_ms), cancel(q.request_id)]),
+      s.queue.map((q) => [q.daemon_id,
+                          q.preempted ? `${q.request_id} (preempted after ${q.output_tokens} tokens)`
+                                      : q.request_id,
+                          q.tenant, q.prompt_tokens, q.max_tokens,
+                          q.preempted ? "–" : secs(q.age_ms), cancel(q.request_id)]),
       "No request is waiting.")],
     slots: (s) => [table(
       [["Daemon"], ["Slot", "num"], ["State"], ["Request id"], ["Tenant"], ["Tokens in KV", "num"],
