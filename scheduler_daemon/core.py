@@ -25,6 +25,7 @@ web validated everything else before the job was queued.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -65,6 +66,16 @@ DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
 EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
 SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
+
+
+def _native_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A core method that other threads call and that runs llama.cpp's code (templates,
+    tokenizer, grammar compile): watched by the loop clock like a loop turn."""
+    @functools.wraps(method)
+    def watched(self: InferenceCore, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.calling():
+            return method(self, *args, **kwargs)
+    return watched
 
 
 @dataclass(slots=True)
@@ -329,6 +340,7 @@ class InferenceCore:
                                             **arguments)
         return handle
 
+    @_native_call
     def enqueue(
         self,
         prompt: str | list[int] | None = None,
@@ -531,6 +543,7 @@ class InferenceCore:
 
     # -- embeddings -----------------------------------------------------------------
 
+    @_native_call
     def embedding_inputs(self, inputs: Any) -> list[list[int]]:
         """An embeddings job's inputs (strings or token-id lists, as the web checked them)
         as token ids, each within the embeddings context; ``InvalidParameter`` or the
@@ -704,6 +717,7 @@ class InferenceCore:
                     errors.SHUTTING_DOWN, "The daemon stopped before it finished."))
         return [job.request_id for job in handed]
 
+    @_native_call
     def prompt_text(self, prompt: str | list[int] | None) -> str:
         """A completion's prompt as text (``echo``): the string, or its token ids' pieces
         (control tokens render as nothing)."""
@@ -718,6 +732,7 @@ class InferenceCore:
     # MAX_VOCAB_ANSWER_BYTES (from_settings): a tokenize/detokenize answer's JSON at most
     max_answer_bytes: int = 2**20
 
+    @_native_call
     def vocabulary_answer(self, kind: str, prompt: Any,
                           options: Any) -> tuple[dict[str, Any], int]:
         """A tokenize or detokenize job's answer, from the model's vocabulary alone (no slot,
@@ -826,13 +841,16 @@ class InferenceCore:
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's turns, seconds since its last one, and whether it looks stuck."""
-        state, turns, _at = self.clock.read()
+        state, turns, _at, _call = self.clock.read()
         stalled = self.clock.stalled_s()
-        stuck = stalled is not None and stalled > self.stuck_after_s
+        calling = self.clock.calling_s()
+        stuck = any(s is not None and s > self.stuck_after_s for s in (stalled, calling))
         sampling = self.scheduler.sampling if stuck else None
         return {"turns": turns, "stalled_s": None if stalled is None else round(stalled, 2),
                 "stuck": stuck, "running": state == RUNNING,
                 "longest_turn_s": round(self.longest_turn_s, 3),
+                # the oldest call into llama.cpp for a job off the loop (preparer, vocabulary)
+                "calling_s": None if calling is None else round(calling, 2),
                 # stuck in one request's sampler: that request's job id (a choice's parent)
                 "stuck_on": sampling.split("#", 1)[0] if sampling else None}
 

@@ -12,22 +12,33 @@ A turn is one tick, one embeddings batch, or an idle wait of at most 0.25 s, so 
 marks at least four times a second. Before the loop starts (the model loading) the clock is
 unarmed, and after it stops (a drain) it is stopped: neither is a hang.
 
-The file holds three 8-byte fields: the state (0 unarmed, 1 running, 2 stopped), the
-turns completed, the monotonic time of the last mark (``time.monotonic()``: CLOCK_MONOTONIC,
-one clock for every process of the machine). A reader reads the fields twice and keeps a
-read only when both agree (a mark may land between two loads).
+The other threads that call into llama.cpp for a job (the preparer: template, tokenizer,
+grammar compile; the vocabulary thread) say so too (``LoopClock.calling``): the clock keeps
+when the oldest such call began, and the watchdog kills a daemon whose call has run past the
+deadline as well (that thread starts every job: stuck, it stops the daemon for everyone).
+
+The file holds four 8-byte fields: the state (0 unarmed, 1 running, 2 stopped), the turns
+completed, the monotonic time of the last mark and that of the oldest native call under way
+off the loop (0: none) (``time.monotonic()``: CLOCK_MONOTONIC, one clock for every process
+of the machine). A reader reads the fields twice and keeps a read only when both agree (a
+mark may land between two loads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-_LAYOUT = struct.Struct("<QQd")  # state, turns, last mark (monotonic seconds)
+_LAYOUT = struct.Struct("<QQdd")  # state, turns, last mark, oldest call off the loop (or 0)
+_LOOP = struct.Struct("<QQd")  # the loop thread's part, written by it alone
+_CALL = struct.Struct("<d")  # the other threads' part (under _calls_lock), at _LOOP.size
 UNARMED, RUNNING, STOPPED = 0, 1, 2
 STUCK_AFTER_S = 5.0  # the heartbeat says "stuck" past this (the watchdog kills later)
 
@@ -45,6 +56,8 @@ class LoopClock:
             with open(self.path, "r+b") as f:
                 self._map = mmap.mmap(f.fileno(), _LAYOUT.size)
         self.turns = 0
+        self._calls: dict[int, float] = {}  # thread -> since when it has been in a native call
+        self._calls_lock = threading.Lock()
 
     @staticmethod
     def new_file() -> Path:
@@ -60,19 +73,34 @@ class LoopClock:
         """The loop completed a turn (the loop thread only); returns the time marked."""
         self.turns += 1
         now = time.monotonic()
-        _LAYOUT.pack_into(self._map, 0, RUNNING, self.turns, now)
+        _LOOP.pack_into(self._map, 0, RUNNING, self.turns, now)
         return now
 
     def stop(self) -> None:
         """The loop ended on purpose: no longer watched."""
-        _LAYOUT.pack_into(self._map, 0, STOPPED, self.turns, time.monotonic())
+        _LOOP.pack_into(self._map, 0, STOPPED, self.turns, time.monotonic())
 
     def reset(self) -> None:
         """Unarmed again (the supervisor, before it starts a new run)."""
-        _LAYOUT.pack_into(self._map, 0, UNARMED, 0, 0.0)
+        _LAYOUT.pack_into(self._map, 0, UNARMED, 0, 0.0, 0.0)
 
-    def read(self) -> tuple[int, int, float]:
-        """(state, turns, last mark), consistent."""
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """Around a call into llama.cpp off the loop thread (one job's template, tokenizer,
+        grammar): watched like a loop turn."""
+        me = threading.get_ident()
+        with self._calls_lock:
+            self._calls[me] = time.monotonic()
+            _CALL.pack_into(self._map, _LOOP.size, min(self._calls.values()))
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls.pop(me, None)
+                _CALL.pack_into(self._map, _LOOP.size, min(self._calls.values(), default=0.0))
+
+    def read(self) -> tuple[int, int, float, float]:
+        """(state, turns, last mark, oldest call off the loop), consistent."""
         while True:
             first = _LAYOUT.unpack_from(self._map, 0)
             if first == _LAYOUT.unpack_from(self._map, 0):
@@ -80,10 +108,18 @@ class LoopClock:
 
     def stalled_s(self, now: float | None = None) -> float | None:
         """Seconds since the loop's last mark while it runs; None while unarmed or stopped."""
-        state, _turns, at = self.read()
+        state, _turns, at, _call = self.read()
         if state != RUNNING:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - at)
+
+    def calling_s(self, now: float | None = None) -> float | None:
+        """Seconds the oldest native call off the loop has run; None when none runs (or the
+        loop is not running)."""
+        state, _turns, _at, since = self.read()
+        if state != RUNNING or since == 0.0:
+            return None
+        return max(0.0, (time.monotonic() if now is None else now) - since)
 
     def close(self) -> None:
         self._map.close()

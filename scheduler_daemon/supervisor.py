@@ -114,11 +114,13 @@ def _wait(child: subprocess.Popen, clock: LoopClock, tick_deadline_s: float,
             return Exit(child.wait(timeout=POLL_S))
         except subprocess.TimeoutExpired:
             pass
-        stalled = clock.stalled_s()
+        stalled = max((s for s in (clock.stalled_s(), clock.calling_s()) if s is not None),
+                      default=None)
         if tick_deadline_s > 0 and stalled is not None and stalled > tick_deadline_s \
                 and not stopping():
-            log.error("the scheduler daemon (pid %d) has not completed a loop turn for %.1f s "
-                      "(TICK_DEADLINE_S %.1f): killing it", child.pid, stalled, tick_deadline_s)
+            log.error("the scheduler daemon (pid %d) has not completed a loop turn (or a call "
+                      "into llama.cpp for a job) for %.1f s (TICK_DEADLINE_S %.1f): killing it",
+                      child.pid, stalled, tick_deadline_s)
             child.kill()
             return Exit(child.wait(), hung_s=stalled)
 

@@ -40,6 +40,15 @@ CHILD = textwrap.dedent("""
         time.sleep(0.05)
     if behaviour == "hang":
         time.sleep(3600)
+    if behaviour == "callhang":  # the loop turns on, but a job's native call never returns
+        import threading
+        def call():
+            with clock.calling():
+                time.sleep(3600)
+        threading.Thread(target=call, daemon=True).start()
+        while True:
+            clock.mark()
+            time.sleep(0.05)
     if behaviour == "drain":  # stops its loop on purpose, then takes its time to exit
         clock.stop()
         time.sleep(1.5)
@@ -72,6 +81,13 @@ def test_a_child_whose_loop_stops_turning_is_killed_and_restarted(tmp_path, sign
     assert [r.split("|")[0] for r in runs] == ["0", "1", "2"]
     assert runs[0] == "0|"
     assert runs[1].startswith("1|hung: no loop turn for ") and runs[1].endswith(" s, killed")
+
+
+def test_a_native_call_off_the_loop_that_never_returns_is_a_hang_too(tmp_path,
+                                                                     signals_restored):
+    status, runs = supervise_child(tmp_path, "callhang,exit", deadline_s=0.5)
+    assert status == 0 and [r.split("|")[0] for r in runs] == ["0", "1"]
+    assert runs[1].startswith("1|hung: ")
 
 
 @pytest.mark.parametrize("behaviour", ["unarmed", "drain"])
@@ -140,7 +156,7 @@ def test_a_hung_loop_is_shown_stuck_then_killed_restarted_and_its_request_quaran
     third = daemon.snapshot()
     assert third["restarts"] == 2 and third["loop"]["stuck"] is False
     log = daemon.log_path.read_text()
-    assert log.count("has not completed a loop turn for") == 2
+    assert log.count("has not completed a loop turn") == 2
     again = hang_job(daemon)  # refused before it reaches the loop: no third hang
     _, kind, data = daemon.events(again.id)[-1]
     assert kind == "error" and data["code"] == "request_quarantined"

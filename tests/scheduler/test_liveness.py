@@ -58,13 +58,32 @@ def test_the_clock_is_unarmed_then_running_then_stopped(tmp_path):
         assert reader.read()[0] == UNARMED and reader.stalled_s() is None
         writer.mark()
         writer.mark()
-        state, turns, _ = reader.read()
+        state, turns, _, _ = reader.read()
         assert (state, turns) == (RUNNING, 2) and reader.stalled_s() < 5
+        assert reader.calling_s() is None
+        entered, leave = threading.Event(), threading.Event()
+
+        def other_call() -> None:
+            with writer.calling():
+                entered.set()
+                leave.wait()
+
+        with writer.calling():  # a native call off the loop
+            assert 0 <= reader.calling_s() < 5
+            first = reader.read()[3]
+            other = threading.Thread(target=other_call)
+            other.start()
+            entered.wait()
+            assert reader.read()[3] == first  # the oldest call counts
+        assert reader.read()[3] > first  # the first ended: the other one is the oldest now
+        leave.set()
+        other.join()
+        assert reader.calling_s() is None
         assert reader.stalled_s(now=time.monotonic() + 100) > 99
         writer.stop()
         assert reader.read()[0] == STOPPED and reader.stalled_s() is None
         writer.reset()
-        assert reader.read() == (UNARMED, 0, 0.0)
+        assert reader.read() == (UNARMED, 0, 0.0, 0.0)
     finally:
         path.unlink()
 
@@ -172,4 +191,35 @@ def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
         assert core.loop_state()["stuck_on"] is None and core.scheduler.sampling is None
     finally:
         StuckSampler.release.set()
+        core.stop(grace_s=0)
+
+
+class StuckTokenizerEngine(FakeEngine):
+    release = threading.Event()
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        self.release.wait()
+        return [1, 2]
+
+
+def test_a_native_call_for_a_job_off_the_loop_that_does_not_return_shows_as_stuck():
+    """The preparer's (or the vocabulary thread's) calls into llama.cpp are watched too."""
+    engine = StuckTokenizerEngine()
+    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
+    core.stuck_after_s = 0.3
+    StuckTokenizerEngine.release.clear()
+    core.start()
+    caller = threading.Thread(target=lambda: core.vocabulary_answer(
+        "tokenize", "some text", {"add_special": True, "with_pieces": False}), daemon=True)
+    try:
+        caller.start()
+        wait_until(lambda: core.loop_state()["stuck"])
+        state = core.loop_state()
+        assert state["calling_s"] >= 0.3 and state["stalled_s"] < 0.3  # the loop itself turns
+        StuckTokenizerEngine.release.set()
+        caller.join(5)
+        wait_until(lambda: not core.loop_state()["stuck"])
+        assert core.loop_state()["calling_s"] is None
+    finally:
+        StuckTokenizerEngine.release.set()
         core.stop(grace_s=0)
