@@ -213,3 +213,18 @@ def test_a_tenant_s_embeddings_work_in_flight_is_capped(gemma_engine):
     assert DEFAULT_EMBEDDINGS_TENANT_TOKENS == 2 * protocol.MAX_EMBEDDING_TOKENS
     assert sorted(core.stop(grace_s=0, hand_back=True)) == ["a0", "a2", "b0"]
     assert lone.stop(grace_s=0, hand_back=True) == ["big"]
+
+
+def test_three_tenants_long_inputs_at_once_never_pass_the_context(core, gemma_engine):
+    # tenants take turns by decode, so all three inputs would be open together: 4,500
+    # tokens for a context of 4,096 cells unless an input begins only when it fits whole
+    t = gemma_engine.tokenize("cat")[-1]
+    ends = Ends()
+    for scope in ("a", "b", "c"):
+        core.submit_embeddings(f"long-{scope}", [[t] * 1500], ends, scope=scope)
+    deadline = time.monotonic() + 600
+    while len(ends.calls) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [error for _, error, _ in ends.calls] == [None, None, None]
+    assert gemma_engine.embedder().n_ctx == 4096
