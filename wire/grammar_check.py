@@ -103,9 +103,21 @@ estimate passes ``MAX_SAMPLING_VISITS`` (2 * 10^9 (stack, token) visits). Estima
 json.gbnf 3.2e8 (its ``[0-9] | [1-9] [0-9]{0,15}`` matches a digit two ways, so "1,1,1"
 doubles the paths per element; the vocabularies split digits, so its real cost is 40-100
 ms a token), schema and tool-call grammars 2e6-3e8, ``[a-z ]* [a-z ]*`` 1.8e7, four
-such 2.5e8; the issue's grammar with 2, 4 or 16 alternatives passes 10^12. The pricing
-itself stops at ``MAX_PRICING_WORK`` steps (refused as too ambiguous to price): json.gbnf
-takes 0.3-1 s of it on this loaded 2-core machine (the verdict is cached).
+such 2.5e8; the issue's grammar with 2, 4 or 16 alternatives passes 10^12. The limit is
+calibrated against llama.cpp's grammar sampler over the whole vocabulary
+(``bench/grammar_fuzz.py --sampler``, CPU per token, Gemma 3 / SmolLM2, loaded 2-core
+machine): ``[a-z ]*`` repeated m times, m = 1..8, estimates 3.5e6, 1.8e7, 7.0e7, 2.5e8,
+8.0e8 (accepted) and 2.6e9, 8.4e9, 2.9e10 (refused) cost 39, 46, 58, 84, 132 and 235, 458,
+981 ms on Gemma (8-15 ms on SmolLM2; a one-literal grammar costs ~35 ms on Gemma: the
+vocabulary's own walk); alternatives of one class under ``+`` with k = 3 or 4, and
+``((([a-z ]+)+)+)+``, stay inside one call for over 5 s (estimates above 10^17). So the
+most expensive grammar accepted costs ~130 ms of CPU per token on Gemma, about a tenth of
+the 1-2 s a tick may take here; the estimate is an upper bound (30x above the real work for
+the polynomial ladder, far more for exponential grammars), so the limit stays at 2e9
+rather than following any one family. The pricing itself stops at ``MAX_PRICING_WORK``
+steps (refused as too ambiguous to price): json.gbnf takes ~41,000 (7-20 ms of CPU on
+this loaded machine, 87 ms before states were interned), the 32 KB schema grammar of the
+tests ~44,000 (9-15 ms), and a grammar that exhausts the budget stops within 70 ms.
 
 This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
 """
