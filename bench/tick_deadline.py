@@ -113,6 +113,7 @@ def measure(core: InferenceCore, work: list) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(settings.MODELS))
+    parser.add_argument("--phases", default="prefill,embeddings,grammar,all")
     args = parser.parse_args()
     result: dict[str, dict[str, float]] = {}
     for model in args.models.split(","):
@@ -122,8 +123,11 @@ def main() -> None:
             work = phases(core)
             measure(core, [lambda: generate(core, [text_tokens(core, 64, 999)],
                                             SamplingParams(max_tokens=4))])  # warm
-            result[model] = {name: measure(core, w) for name, w in work.items()}
-            result[model]["all"] = measure(core, [w for ws in phases(core).values() for w in ws])
+            chosen = args.phases.split(",")
+            result[model] = {name: measure(core, w) for name, w in work.items() if name in chosen}
+            if "all" in chosen:
+                result[model]["all"] = measure(core, [w for ws in phases(core).values()
+                                                      for w in ws])
             print(model, result[model], flush=True)
         finally:
             core.stop(grace_s=0)

@@ -265,8 +265,11 @@ PREEMPT_MIN_TOKENS = env_int("PREEMPT_MIN_TOKENS", 16)
 # supervisor, its watchdog and the quarantine). Never on in production.
 FAULT_INJECTION = env_bool("FAULT_INJECTION", False)
 # A hang is a crash: the supervisor kills a daemon whose loop has not completed a turn (a
-# tick, an embeddings batch) for this long, and restarts it (docs/daemon.md). 0: never.
-TICK_DEADLINE_S = env_float("TICK_DEADLINE_S", 30.0)
+# tick, an embeddings batch) for this long, and restarts it (docs/daemon.md). 0: never. The
+# longest legitimate turn measured is 21.5 s (SmolLM2, N_BATCH of prefill at 8k context on 2
+# loaded cores: bench/results/tick_deadline-2026-12-05.txt); a false kill costs every running
+# request a death, so the margin is wide.
+TICK_DEADLINE_S = env_float("TICK_DEADLINE_S", 120.0)
 # A request that was streaming when its daemon died is continued by the daemon that takes
 # it over (its tokens replayed, docs/daemon.md); off: it ends with inference_interrupted.
 CONTINUE_STREAMS = env_bool("CONTINUE_STREAMS", True)

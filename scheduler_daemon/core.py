@@ -64,6 +64,7 @@ DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
 # the embeddings context holds two whole inputs: a full-length one never keeps another
 # tenant's input from beginning (embed_batch.py)
 EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
+SLOW_TURN_S = 5.0  # a loop turn longer than this is logged with what its tick did
 SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
 
@@ -197,6 +198,7 @@ class InferenceCore:
         self.clock = LoopClock()
         self.stuck_after_s = STUCK_AFTER_S  # the snapshot says "stuck" past this
         self.longest_turn_s = 0.0  # since start: how near legitimate work comes to a hang
+        self._last_tick_stats: TickStats | None = None
         self._last_scheduler_snapshot: dict[str, Any] = {}
 
     @classmethod
@@ -300,6 +302,8 @@ class InferenceCore:
         last = time.monotonic()
         while not self._stop.is_set():
             now = self.clock.mark()  # the previous turn completed (the watchdog reads this)
+            if now - last > SLOW_TURN_S:
+                self._log_slow_turn(now - last)
             self.longest_turn_s, last = max(self.longest_turn_s, now - last), now
             try:
                 if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
@@ -854,7 +858,19 @@ class InferenceCore:
                 # stuck in one request's sampler: that request's job id (a choice's parent)
                 "stuck_on": sampling.split("#", 1)[0] if sampling else None}
 
+    def _log_slow_turn(self, seconds: float) -> None:
+        """What a long loop turn did (the supervisor's watchdog kills at TICK_DEADLINE_S)."""
+        plan, stats = self.scheduler.last_plan, self._last_tick_stats
+        log.warning(
+            "a loop turn took %.1f s; its tick %s: %s tokens (%s prefill), %s KV retries, last "
+            "decode %s ms, admitted %d, resumed %d, preempted %d", seconds,
+            plan.tick if plan else "-", stats.batch_tokens if stats else "-",
+            stats.prefill_tokens if stats else "-", stats.kv_retries if stats else "-",
+            stats.eval_ms if stats else "-", len(plan.admitted) if plan else 0,
+            len(plan.resumed) if plan else 0, len(plan.preempted) if plan else 0)
+
     def _tick(self, stats: TickStats) -> None:
+        self._last_tick_stats = stats
         for listener in self.tick_listeners:
             listener(stats)
 

@@ -5,8 +5,8 @@ no lock, no system call). Two readers that never wait on the loop:
 
 - the supervisor (another process, ``supervisor.py``) maps the same file and kills a daemon
   whose loop has not completed a turn within ``TICK_DEADLINE_S``: a hang is a crash;
-- the heartbeat (``heartbeat.py``) publishes the loop's age, and ``stuck`` past
-  ``STUCK_AFTER_S``, so /v1/health and the admin show a stuck daemon as stuck, not gone.
+- the heartbeat (``heartbeat.py``) publishes the loop's age, and ``stuck`` past a quarter of
+  the deadline, so /v1/health and the admin show a stuck daemon as stuck, not gone.
 
 A turn is one tick, one embeddings batch, or an idle wait of at most 0.25 s, so an idle loop
 marks at least four times a second. Before the loop starts (the model loading) the clock is
@@ -40,7 +40,7 @@ _LAYOUT = struct.Struct("<QQdd")  # state, turns, last mark, oldest call off the
 _LOOP = struct.Struct("<QQd")  # the loop thread's part, written by it alone
 _CALL = struct.Struct("<d")  # the other threads' part (under _calls_lock), at _LOOP.size
 UNARMED, RUNNING, STOPPED = 0, 1, 2
-STUCK_AFTER_S = 5.0  # the heartbeat says "stuck" past this (the watchdog kills later)
+STUCK_AFTER_S = 30.0  # "stuck" past this (run_scheduler: a quarter of TICK_DEADLINE_S)
 
 
 class LoopClock:

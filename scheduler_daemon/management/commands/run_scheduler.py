@@ -136,8 +136,8 @@ class Command(BaseCommand):
         log.info("model loaded in %.1f s", time.monotonic() - t0)
         if os.environ.get("LOOP_CLOCK_FILE"):  # supervised: the watchdog reads the loop's marks
             core.clock = LoopClock(os.environ["LOOP_CLOCK_FILE"])
-        if settings.TICK_DEADLINE_S > 0:  # "stuck" is shown before the watchdog kills
-            core.stuck_after_s = min(core.stuck_after_s, settings.TICK_DEADLINE_S / 2)
+        if settings.TICK_DEADLINE_S > 0:  # "stuck" is shown well before the watchdog kills
+            core.stuck_after_s = settings.TICK_DEADLINE_S / 4
         daemon = SchedulerDaemon(
             core,
             client,
