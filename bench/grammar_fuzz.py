@@ -285,8 +285,7 @@ def live(cases: list[dict], max_tokens: int) -> dict:
                 ok = (reply.status == 200) if case["accepted"] else (
                     reply.status == 400
                     and answer["error"]["code"] == "invalid_request_error"
-                    and str(grammar_check.MAX_SAMPLING_VISITS) in answer["error"]["message"]
-                    or "too ambiguous to price" in answer["error"]["message"])
+                    and answer["error"]["param"] in (case["field"], "response_format"))
                 if not ok:
                     out["bad"].append((case["family"], name, reply.status, str(answer)[:300]))
         for name, daemon in daemons.items():
