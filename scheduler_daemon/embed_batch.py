@@ -198,18 +198,23 @@ class EmbeddingBatcher:
 
     def commit(self, decode: EmbeddingDecode, sums: list[Any]) -> list[int]:
         """Apply a decode's sums (one per piece); the sequences of inputs it finished, whose
-        cells the caller removes. ``ValueError`` if an input's mean is not finite."""
+        cells the caller removes. ``ValueError`` if an input's mean is not finite: then no
+        input is released, so ending the job (``remove``) hands back every sequence the
+        decode touched, and none keeps cells that a free sequence's next input would meet."""
         job = decode.job
         job.embedded_tokens += decode.n_tokens
-        finished = []
+        vectors: dict[int, Any] = {}
         for index, (_, tokens, _), total in zip(decode.inputs, decode.pieces, sums, strict=True):
             state = job.open[index]
             state.pos += len(tokens)
             state.total = total if state.total is None else state.total + total
             if state.pos == len(job.inputs[index]):
-                job.vectors[index] = normalized(state.total, state.pos)
-                finished.append(state.seq)
-                self._release(job, index)
+                vectors[index] = normalized(state.total, state.pos)  # may raise: see above
+        finished = []
+        for index, vector in vectors.items():
+            job.vectors[index] = vector
+            finished.append(job.open[index].seq)
+            self._release(job, index)
         return finished
 
     def _release(self, job: EmbeddingJob, index: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from scheduler_daemon.embed_batch import EmbeddingBatcher, EmbeddingJob
 
@@ -137,3 +138,22 @@ def test_held_by_counts_a_tenant_s_jobs_and_tokens_not_yet_embedded():
     decode = batcher.plan(N_CTX, N_BATCH, N_SEQ)
     batcher.commit(decode, Cells().decode(decode.pieces))
     assert batcher.held_by("a") == (2, 160 - 128)
+
+
+def test_a_non_finite_mean_leaves_no_sequence_with_stale_cells():
+    # A decode finishes input 0 (finite) and input 1 (NaN): commit raises, the core ends the
+    # job (remove) and forgets the sequences it returns. Input 0's sequence must be among
+    # them, or the next input given it meets its stale cells ("does not follow").
+    batcher, cells = EmbeddingBatcher(), Cells()
+    broken = job("nan", [10, 20], scope="a")
+    batcher.add(broken)
+    decode = batcher.plan(N_CTX, N_BATCH, N_SEQ)
+    sums = cells.decode(decode.pieces)
+    sums[1] = np.full(4, np.nan)
+    with pytest.raises(ValueError, match="not finite"):
+        batcher.commit(decode, sums)
+    for seq in batcher.remove(broken):
+        cells.forget(seq)
+    assert cells.held == {} and batcher.reserved_cells == 0
+    batcher.add(job("next", [5, 5], scope="b"))  # another tenant, the freed sequences
+    assert drain(batcher, cells) == ["next"]
