@@ -64,6 +64,7 @@ DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
 # the embeddings context holds two whole inputs: a full-length one never keeps another
 # tenant's input from beginning (embed_batch.py)
 EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
+EMBEDDINGS_TENANTS_TO_FILL = 4  # one tenant holds at most a quarter of the embeddings queue
 SLOW_TURN_S = 5.0  # a loop turn longer than this is logged with what its tick did
 SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
@@ -169,16 +170,22 @@ class InferenceCore:
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         embeddings: bool = True,
         embeddings_tenant_tokens: int = DEFAULT_EMBEDDINGS_TENANT_TOKENS,
+        embeddings_tenant_jobs: int | None = None,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
         anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
         served (a second context, made at the first one); ``embeddings_tenant_tokens``
-        (EMBEDDINGS_TENANT_TOKENS): the embeddings tokens one tenant's jobs may hold here."""
+        (EMBEDDINGS_TENANT_TOKENS): the embeddings tokens one tenant's jobs may hold here;
+        ``embeddings_tenant_jobs``: the embeddings jobs one tenant may hold here (default: a
+        quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it)."""
         self.engine = engine
         self.embeddings = embeddings
         self._embedding_jobs = EmbeddingBatcher()  # guarded by _embedding_lock
         self._embedding_lock = threading.RLock()
         self.embeddings_tenant_tokens = embeddings_tenant_tokens
+        self.embeddings_tenant_jobs = (max(1, config.max_queue // EMBEDDINGS_TENANTS_TO_FILL)
+                                       if embeddings_tenant_jobs is None
+                                       else max(1, embeddings_tenant_jobs))
         self._embed_tokens_per_s = 100.0  # measured decode by decode (Retry-After)
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
         self.max_prompt_bytes = max_prompt_bytes
@@ -590,7 +597,7 @@ class InferenceCore:
         """Refuse an embeddings job the daemon will not hold (before its text is tokenized
         with ``n_tokens`` 0, then with its tokens): ``queue_full`` when MAX_QUEUE jobs are
         held, ``tenant_queue_full`` (429, Retry-After from the tenant's own work at the
-        measured rate) when the tenant's held jobs reach MAX_QUEUE_PER_TENANT or their
+        measured rate) when the tenant's held jobs reach ``embeddings_tenant_jobs`` or their
         tokens not yet embedded plus ``n_tokens`` would pass EMBEDDINGS_TENANT_TOKENS. A
         tenant holding nothing is never refused for tokens (one job is at most
         MAX_EMBEDDING_TOKENS)."""
@@ -600,8 +607,8 @@ class InferenceCore:
                 raise Refusal(errors.QUEUE_FULL, "the embeddings queue is full",
                               max_queue=config.max_queue)
             jobs, tokens = self._embedding_jobs.held_by(scope)
-            per_scope = config.max_queue_per_scope
-            over_jobs = per_scope is not None and jobs >= per_scope
+            per_scope = self.embeddings_tenant_jobs
+            over_jobs = jobs >= per_scope
             over_tokens = jobs > 0 and tokens + max(n_tokens, 1) > self.embeddings_tenant_tokens
             if over_jobs or over_tokens:
                 wait_s = tokens / max(self._embed_tokens_per_s, 1.0)

@@ -85,7 +85,7 @@ def test_an_embeddings_job_past_its_deadline_ends_with_timeout(core, gemma_engin
 
 
 def test_the_queue_and_the_tenant_share_are_bounded(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(max_queue=3, max_queue_per_scope=2))
+    core = InferenceCore(gemma_engine, SchedulerConfig(max_queue=3), embeddings_tenant_jobs=2)
     ends = Ends()
     for i in range(2):
         core.submit_embeddings(f"a{i}", [[1, 2]], ends, scope="a")
@@ -98,6 +98,28 @@ def test_the_queue_and_the_tenant_share_are_bounded(gemma_engine):
     assert caught.value.code == errors.QUEUE_FULL
     # never started: a stopping daemon hands them back (no end written)
     assert sorted(core.stop(grace_s=0, hand_back=True)) == ["a0", "a1", "b0"]
+    assert ends.calls == []
+
+
+def test_one_tenant_s_one_token_jobs_leave_the_embeddings_queue_to_others(gemma_engine):
+    # #31 review: the tokens cap does not bind one-token jobs, and run_scheduler gives the
+    # core a per-tenant queue cap equal to its whole queue: one tenant filled it and every
+    # other tenant's embeddings got 503 queue_full
+    core = InferenceCore(gemma_engine, SchedulerConfig(max_queue=64, max_queue_per_scope=64))
+    assert core.embeddings_tenant_jobs == 16  # a quarter of the embeddings queue
+    ends = Ends()
+    for i in range(16):
+        core.submit_embeddings(f"a{i}", [[5]], ends, scope="a")
+    with pytest.raises(Refusal) as caught:
+        core.submit_embeddings("a16", [[5]], ends, scope="a")
+    assert caught.value.code == errors.TENANT_QUEUE_FULL
+    assert errors.status_of(caught.value.code) == 429
+    assert caught.value.details["max_queued"] == 16
+    assert 1 <= caught.value.details["retry_after_s"] <= 60
+    for scope in ("b", "c"):
+        core.check_embeddings_room(scope)
+        core.submit_embeddings(f"{scope}0", [[5]], ends, scope=scope)
+    assert len(core.stop(grace_s=0, hand_back=True)) == 18
     assert ends.calls == []
 
 

@@ -129,7 +129,9 @@ class Command(BaseCommand):
         # The daemon holds at most its slots + LOCAL_QUEUE jobs (the rest waits in Redis,
         # where the web's gate applies MAX_QUEUE and the tenants' shares): its core's own
         # queue caps must not refuse what it took.
-        # (a job of n choices is n requests in the core: MAX_CHOICES each at most)
+        # (a job of n choices is n requests in the core: MAX_CHOICES each at most). The
+        # embeddings queue is bounded apart by the same max_queue, one tenant's embeddings
+        # jobs by a quarter of it (core.py: embeddings_tenant_jobs), not by the per-tenant caps.
         capacity = settings.N_PARALLEL + settings.LOCAL_QUEUE
         caps = capacity * protocol.MAX_CHOICES
         core = InferenceCore.from_settings(max_queue=caps, max_queue_per_tenant=caps)
