@@ -75,7 +75,7 @@ def _native_call(method: Callable[..., Any]) -> Callable[..., Any]:
     tokenizer, grammar compile): watched by the loop clock like a loop turn."""
     @functools.wraps(method)
     def watched(self: InferenceCore, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.calling():
+        with self.clock.calling(kwargs.get("request_id")):
             return method(self, *args, **kwargs)
     return watched
 
@@ -855,15 +855,21 @@ class InferenceCore:
         state, turns, _at, _call = self.clock.read()
         stalled = self.clock.stalled_s()
         calling = self.clock.calling_s()
-        stuck = any(s is not None and s > self.stuck_after_s for s in (stalled, calling))
-        sampling = self.scheduler.sampling if stuck else None
+        loop_stuck = stalled is not None and stalled > self.stuck_after_s
+        call_stuck = calling is not None and calling > self.stuck_after_s
+        stuck = loop_stuck or call_stuck
+        # whom a hang is blamed on: the request whose sampler the stuck loop is in, else the
+        # job whose native call off the loop is stuck (None: not one request's doing)
+        culprit = self.scheduler.sampling if loop_stuck else None
+        if culprit is None and call_stuck and not loop_stuck:
+            culprit = self.clock.oldest_call_job()
         return {"turns": turns, "stalled_s": None if stalled is None else round(stalled, 2),
                 "stuck": stuck, "running": state == RUNNING,
                 "longest_turn_s": round(self.longest_turn_s, 3),
                 # the oldest call into llama.cpp for a job off the loop (preparer, vocabulary)
                 "calling_s": None if calling is None else round(calling, 2),
                 # stuck in one request's sampler: that request's job id (a choice's parent)
-                "stuck_on": sampling.split("#", 1)[0] if sampling else None}
+                "stuck_on": culprit.split("#", 1)[0] if culprit else None}
 
     def _log_slow_turn(self, seconds: float) -> None:
         """What a long loop turn did (the supervisor's watchdog kills at TICK_DEADLINE_S)."""

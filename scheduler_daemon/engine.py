@@ -759,20 +759,23 @@ class LlamaSampler:
         """Advance this sampler over tokens generated before (a request continued after its
         daemon died): its grammar and penalties see them as if they were sampled here.
         Each is checked against the grammar first (llama.cpp aborts the process on a token
-        the grammar does not allow); a disallowed one raises ``SamplingFailed``. Runs on the
-        preparer thread: its candidates array is its own, not the engine's."""
+        the grammar does not allow); a disallowed one raises ``SamplingFailed``. The check
+        offers the grammar that one token alone (not the vocabulary: a continued request of
+        thousands of tokens replays in milliseconds, not minutes). Runs on the preparer
+        thread: its candidates array is its own, not the engine's."""
         if self._chain is None:
             return
-        cand = None
-        if self._constraints is not None:
-            cand = np.zeros(self._engine.n_vocab, _TOKEN_DATA)
+        one = np.zeros(1, _TOKEN_DATA)
         for token in tokens:
             if not 0 <= token < self._engine.n_vocab:
                 raise SamplingFailed(f"replayed token {token} is outside the vocabulary")
-            if cand is not None:
-                arr = self._candidate_array(cand, 0.0)
+            if self._constraints is not None:
+                one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+                arr = lc.llama_token_data_array(
+                    data=one.ctypes.data_as(lc.llama_token_data_p), size=1, selected=-1,
+                    sorted=False)
                 lc.llama_sampler_apply(self._constraints, ctypes.byref(arr))
-                if not np.isfinite(cand["logit"][token]):
+                if not np.isfinite(one["logit"][0]):
                     raise SamplingFailed("a replayed token does not follow the grammar")
                 lc.llama_sampler_accept(self._constraints, token)
             lc.llama_sampler_accept(self._chain, token)

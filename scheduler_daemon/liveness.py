@@ -56,7 +56,7 @@ class LoopClock:
             with open(self.path, "r+b") as f:
                 self._map = mmap.mmap(f.fileno(), _LAYOUT.size)
         self.turns = 0
-        self._calls: dict[int, float] = {}  # thread -> since when it has been in a native call
+        self._calls: dict[int, tuple[float, str | None]] = {}  # thread -> (since, job id)
         self._calls_lock = threading.Lock()
 
     @staticmethod
@@ -85,19 +85,28 @@ class LoopClock:
         _LAYOUT.pack_into(self._map, 0, UNARMED, 0, 0.0, 0.0)
 
     @contextlib.contextmanager
-    def calling(self) -> Iterator[None]:
+    def calling(self, job_id: str | None = None) -> Iterator[None]:
         """Around a call into llama.cpp off the loop thread (one job's template, tokenizer,
-        grammar): watched like a loop turn."""
+        grammar): watched like a loop turn. ``job_id``: the job it works for, if one."""
         me = threading.get_ident()
         with self._calls_lock:
-            self._calls[me] = time.monotonic()
-            _CALL.pack_into(self._map, _LOOP.size, min(self._calls.values()))
+            self._calls[me] = (time.monotonic(), job_id)
+            self._write_oldest_call()
         try:
             yield
         finally:
             with self._calls_lock:
                 self._calls.pop(me, None)
-                _CALL.pack_into(self._map, _LOOP.size, min(self._calls.values(), default=0.0))
+                self._write_oldest_call()
+
+    def _write_oldest_call(self) -> None:
+        oldest = min((since for since, _ in self._calls.values()), default=0.0)
+        _CALL.pack_into(self._map, _LOOP.size, oldest)
+
+    def oldest_call_job(self) -> str | None:
+        """The job of the oldest native call off the loop under way (this process only)."""
+        with self._calls_lock:
+            return min(self._calls.values(), key=lambda c: c[0], default=(0.0, None))[1]
 
     def read(self) -> tuple[int, int, float, float]:
         """(state, turns, last mark, oldest call off the loop), consistent."""

@@ -274,9 +274,8 @@ class Scheduler:
         ``block=False`` never waits for the lock (a stuck loop holds it): when it is taken,
         the cancel is left for the next plan to apply and the answer is None (not known)."""
         if not self.lock.acquire(blocking=block):
-            self._deferred_cancels.append(request_id)  # deque.append: atomic, no lock
-            if request_id in self._in_flight:  # a decode in flight stops at its next check
-                self.engine.abort_requested = True
+            # deque.append: atomic, no lock; the plan being made, if any, checks it at its end
+            self._deferred_cancels.append(request_id)
             self._work.set()
             return None
         try:
@@ -438,6 +437,8 @@ class Scheduler:
             if self._preempt_for_waiting(plan):
                 self._admit(plan)
             self._plan_batch(plan)
+            if self._in_flight.intersection(self._deferred_cancels):
+                self.engine.abort_requested = True  # cancelled while this plan was made
             return plan
 
     def run(self, plan: TickPlan) -> TickStats | None:

@@ -223,3 +223,67 @@ def test_a_native_call_for_a_job_off_the_loop_that_does_not_return_shows_as_stuc
     finally:
         StuckTokenizerEngine.release.set()
         core.stop(grace_s=0)
+
+
+class CancelWhilePlanning(FakeEngine):
+    """Another thread cancels ``victim`` while the loop plans a tick (holding the lock): at the
+    KV removal the plan makes to give a new admission a slot another scope's prefix held."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cancel = None
+        self.answers: list = []
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> bool:
+        if self.cancel is not None:
+            cancel, self.cancel = self.cancel, None
+            other = threading.Thread(target=lambda: self.answers.append(cancel()))
+            other.start()
+            other.join()
+        return super().kv_remove(seq_id, p0, p1)
+
+
+def test_a_cancel_deferred_while_a_plan_is_made_aborts_that_plans_decode(harness):
+    engine = CancelWhilePlanning(n_ctx=4096, n_seq_max=2)
+    h = harness(engine, abort_min_tokens=1, chunk_size=64)
+    prompt = list(range(10, 20))
+    h.scheduler.submit(Request(id="z", prompt_tokens=prompt, cache_scope="z",
+                               params=SamplingParams(max_tokens=2)))
+    h.run()  # z's prefix stays cached in its slot
+    h.scheduler.submit(Request(id="a", prompt_tokens=prompt, params=SamplingParams(max_tokens=99)))
+    for _ in range(3):
+        h.step()
+    assert h.scheduler.counters["aborted_decodes"] == 0
+    engine.cancel = lambda: h.scheduler.cancel("a", block=False)
+    h.scheduler.submit(Request(id="b", prompt_tokens=list(range(30, 40)),
+                               params=SamplingParams(max_tokens=3), cache_scope="b"))
+    h.step()  # b takes z's slot: z's cells go during the plan, and a is cancelled then
+    assert engine.answers == [None]  # the lock was taken: deferred, not known
+    assert h.scheduler.counters["aborted_decodes"] == 1  # that tick's decode did not run
+    h.run()
+    assert h.finished("a").finish_reason == "cancelled"
+    assert h.finished("b").finish_reason == "length"
+
+
+def test_a_stuck_call_off_the_loop_blames_its_job_not_the_request_the_loop_samples():
+    engine = StuckTokenizerEngine()
+    engine.n_vocab = 100_000
+    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
+    core.stuck_after_s = 0.3
+    StuckTokenizerEngine.release.clear()
+    core.start()
+    try:
+        core.scheduler.submit(Request(id="busy", prompt_tokens=[1, 2, 3],
+                                      params=SamplingParams(max_tokens=1000)))
+        caller = threading.Thread(target=lambda: core.enqueue(prompt="some text",
+                                                              request_id="prep-1"), daemon=True)
+        caller.start()
+        wait_until(lambda: core.loop_state()["stuck"])
+        state = core.loop_state()
+        assert state["stuck_on"] == "prep-1" and state["stalled_s"] < 0.3
+        StuckTokenizerEngine.release.set()
+        caller.join(5)
+        wait_until(lambda: core.loop_state()["stuck_on"] is None)
+    finally:
+        StuckTokenizerEngine.release.set()
+        core.stop(grace_s=0)
