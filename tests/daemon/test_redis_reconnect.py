@@ -51,6 +51,9 @@ class FakeCore:
     def snapshot(self) -> dict:
         return {}
 
+    def loop_state(self) -> dict:
+        return {"stuck": False}
+
     def enqueue(self, **kwargs) -> int:
         self.enqueued.append(kwargs["request_id"])
         return 3
