@@ -232,6 +232,12 @@ MAX_PROMPT_BYTES = env_int("MAX_PROMPT_BYTES", 32 * N_CTX)
 # with a 400 naming the field; with_pieces from its token count before any piece is built).
 # 1 MiB: ~40,000 tokens with pieces (5x the default context), any context's ids without.
 MAX_VOCAB_ANSWER_BYTES = env_int("MAX_VOCAB_ANSWER_BYTES", 2**20)
+# (daemon) Tokenize/detokenize jobs in flight in a daemon (queued for its vocabulary thread
+# or being answered, one at a time): one tenant's past VOCAB_TENANT_JOBS are refused 429
+# tenant_queue_full, all tenants' past VOCAB_JOBS 503 queue_full. They do not take the room
+# kept for generation (N_PARALLEL + LOCAL_QUEUE). docs/api.md.
+VOCAB_TENANT_JOBS = env_int("VOCAB_TENANT_JOBS", 4)
+VOCAB_JOBS = env_int("VOCAB_JOBS", 16)
 N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
 # max_tokens of a request that names none (bounded by the context either way)

@@ -5,7 +5,8 @@ Two threads:
 - the reader: takes jobs from the model's fair queue in Redis (``wire/queue.py``'s TAKE,
   fair across tenants and across the fleet) into the prepare queue, only as many as this
   daemon can hold: ``capacity`` (its slots plus a small local queue, LOCAL_QUEUE) less the
-  jobs it holds (read, starting, or started and not ended). The rest waits in Redis, where
+  generation jobs it holds (read, starting, or started and not ended; embeddings and
+  tokenize/detokenize jobs have caps of their own, ``held``). The rest waits in Redis, where
   any live daemon of the model can take it; so no daemon refuses ``queue_full`` (the web's
   gate does, from the queue). Idle, it blocks on the queue's bell (at most 0.5 s). It
   takes only while the lifecycle is ``SERVING`` (it moves ``PAUSING`` on to ``PAUSED``
@@ -55,6 +56,11 @@ RECLAIM_INTERVAL_S = 5.0
 INTAKE_BATCH = 16  # jobs taken in one TAKE at most
 PREPARE_QUEUE_MAX = 2 * INTAKE_BATCH  # a daemon's capacity when none is given
 VOCABULARY_DRAIN_S = 10.0  # a drain waits this long for the vocabulary thread at most
+# tokenize/detokenize jobs in flight here (queued for the vocabulary thread or being
+# answered): per tenant past VOCAB_TENANT_JOBS, 429 tenant_queue_full; all tenants past
+# VOCAB_JOBS, 503 queue_full (settings of the same names)
+VOCAB_TENANT_JOBS = 4
+VOCAB_JOBS = 16
 FULL_POLL_S = 0.02  # a full daemon looks for room this often
 ALIVE_EVERY_S = 0.5  # ... and shows its consumer alive this often (recovery's idle check)
 DRAIN_WINDOW_S = 30.0  # the rate jobs were taken at is measured over this long
@@ -82,13 +88,19 @@ def job_fingerprint(job: protocol.Job) -> str:
 Prepared = tuple[str, protocol.Job, Takeover]  # entry id, job, how it goes on here
 
 
+def _bounded_apart(job: protocol.Job) -> bool:
+    """Embeddings and tokenize/detokenize jobs: bounded by their own caps, not counted in
+    the room the intake keeps for generation."""
+    return job.kind == protocol.EMBEDDING_KIND or job.kind in protocol.VOCAB_KINDS
+
+
 class PrepareQueue:
     """Jobs read but not started, fair across tenants; ``get`` blocks."""
 
     def __init__(self) -> None:
         self._jobs: FairQueue[str, Prepared] = FairQueue()
         self._cond = threading.Condition()
-        self.embeddings = 0  # embeddings jobs among them (not in the intake's generation count)
+        self.apart = 0  # jobs bounded apart among them (not in the intake's generation count)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -96,7 +108,7 @@ class PrepareQueue:
     def put(self, entry_id: str, job: protocol.Job, takeover: Takeover = FRESH) -> None:
         with self._cond:
             self._jobs.push(job.tenant_id, (entry_id, job, takeover))
-            self.embeddings += job.kind == protocol.EMBEDDING_KIND
+            self.apart += _bounded_apart(job)
             self._cond.notify()
 
     def get(self, timeout: float) -> Prepared | None:
@@ -106,7 +118,7 @@ class PrepareQueue:
             taken = self._jobs.pop()
             if taken is None:
                 return None
-            self.embeddings -= taken[1][1].kind == protocol.EMBEDDING_KIND
+            self.apart -= _bounded_apart(taken[1][1])
             return taken[1]
 
 
@@ -160,19 +172,35 @@ class Intake:
         self.vocabulary = PrepareQueue()  # tokenize/detokenize jobs, for their own thread
         self._vocabulary_thread: threading.Thread | None = None
         self._vocabulary_lock = threading.Lock()
+        # tokenize/detokenize jobs handed to that thread, until their end is written: id ->
+        # tenant (guarded by _vocabulary_lock); the caps below, set from settings
+        self._vocabulary_live: dict[str, str] = {}
+        self.vocab_tenant_jobs = VOCAB_TENANT_JOBS
+        self.vocab_jobs = VOCAB_JOBS
+        self._vocabulary_s = 0.1  # seconds per answer, measured (Retry-After)
 
     def held(self) -> int:
         """Generation jobs this daemon holds: taken and not started, being started, or not
-        ended. Embeddings jobs have their own bounds (the core's ``check_embeddings_room``)
-        and do not count: a burst of them never keeps a chat waiting in Redis."""
-        return (len(self.prepare) - self.prepare.embeddings + self._starting
-                + self.writer.live_count() - self.embeddings_live())
+        ended. Embeddings jobs (the core's ``check_embeddings_room``) and tokenize/detokenize
+        jobs (``vocabulary_live``'s caps) have their own bounds and do not count: a burst of
+        them never keeps a chat waiting in Redis."""
+        return (len(self.prepare) - self.prepare.apart + self._starting
+                + self.writer.live_count() - self.embeddings_live()
+                - len(self.vocabulary_live()))
 
     def embeddings_live(self) -> int:
         """Embeddings jobs started here whose end the writer has not yet written."""
         with self._embeddings_lock:
             self._embeddings = {i for i in self._embeddings if self.writer.is_live(i)}
             return len(self._embeddings)
+
+    def vocabulary_live(self) -> list[str]:
+        """The tenants of the tokenize/detokenize jobs started here (queued for the
+        vocabulary thread or being answered) whose end the writer has not yet written."""
+        with self._vocabulary_lock:
+            self._vocabulary_live = {i: tenant for i, tenant in self._vocabulary_live.items()
+                                     if self.writer.is_live(i)}
+            return list(self._vocabulary_live.values())
 
     def room(self) -> int:
         """Jobs it may take now: none while the loop is stuck (they would wait for the
@@ -426,8 +454,29 @@ class Intake:
     def _answer_vocabulary(self, job: protocol.Job, entry_id: str) -> None:
         """A tokenize/detokenize job goes to the vocabulary thread (started with the first
         one): tokenizing 256 KiB takes about a second, which must not hold up the start of
-        other tenants' generation jobs here."""
+        other tenants' generation jobs here. Refused past the caps on jobs in flight: the
+        tenant's (``vocab_tenant_jobs``: 429 ``tenant_queue_full``) or all tenants'
+        (``vocab_jobs``: 503 ``queue_full``), with a Retry-After from the jobs ahead at the
+        measured time per answer."""
+        live = self.vocabulary_live()
+        mine = live.count(job.tenant_id)
+        if mine >= self.vocab_tenant_jobs or len(live) >= self.vocab_jobs:
+            retry_after_s = int(min(60, max(1, math.ceil(len(live) * self._vocabulary_s))))
+            if mine >= self.vocab_tenant_jobs:
+                refusal = Refusal(errors.TENANT_QUEUE_FULL,
+                                  f"this tenant already has {mine} tokenize/detokenize "
+                                  f"requests in this daemon; at most {self.vocab_tenant_jobs} "
+                                  "(VOCAB_TENANT_JOBS)", max_queued=self.vocab_tenant_jobs,
+                                  retry_after_s=retry_after_s)
+            else:
+                refusal = Refusal(errors.QUEUE_FULL,
+                                  f"this daemon already has {len(live)} tokenize/detokenize "
+                                  f"requests; at most {self.vocab_jobs} (VOCAB_JOBS)",
+                                  max_queue=self.vocab_jobs, retry_after_s=retry_after_s)
+            self.refuse(job.id, entry_id, refusal)
+            return
         with self._vocabulary_lock:
+            self._vocabulary_live[job.id] = job.tenant_id
             if self._vocabulary_thread is None:
                 self._vocabulary_thread = threading.Thread(
                     target=self.vocabulary_loop, name="daemon-vocabulary", daemon=True)
@@ -441,6 +490,7 @@ class Intake:
             item = self.vocabulary.get(timeout=0.5)
             if item is not None:
                 entry_id, job, _ = item
+                t0 = time.monotonic()
                 try:
                     self.answer_vocabulary(job, entry_id)
                 except Exception:
@@ -448,6 +498,7 @@ class Intake:
                                   job.id)
                     self.refuse(job.id, entry_id, Refusal(
                         errors.INTERNAL_ERROR, "The server could not answer this request."))
+                self._vocabulary_s += 0.2 * (time.monotonic() - t0 - self._vocabulary_s)
 
     def join_vocabulary(self, timeout_s: float) -> None:
         """Wait for the vocabulary thread to answer what it holds and end (a drain)."""

@@ -42,4 +42,4 @@ def test_embeddings_jobs_leave_generation_s_room_to_other_tenants():
     assert intake.prepare.get(0)[1].kind == "embedding"  # tenant a's turn first
     assert intake.prepare.get(0)[1] is chat  # then b's: taken out of the queue
     writer.track(chat.id, chat.tenant_id)  # ... and started
-    assert intake.held() == 1 and intake.prepare.embeddings == 3
+    assert intake.held() == 1 and intake.prepare.apart == 3

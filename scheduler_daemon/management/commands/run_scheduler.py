@@ -157,6 +157,8 @@ class Command(BaseCommand):
         if settings.FAULT_INJECTION:
             hang_when_marked(daemon)
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
+        daemon.intake.vocab_tenant_jobs = settings.VOCAB_TENANT_JOBS
+        daemon.intake.vocab_jobs = settings.VOCAB_JOBS
         core.start()
         daemon.start()
         self.stdout.write(f"scheduler daemon {daemon.daemon_id} ready", ending="\n")
