@@ -276,6 +276,10 @@ FAULT_INJECTION = env_bool("FAULT_INJECTION", False)
 # loaded cores: bench/results/tick_deadline-2026-12-05.txt); a false kill costs every running
 # request a death, so the margin is wide.
 TICK_DEADLINE_S = env_float("TICK_DEADLINE_S", 120.0)
+# One request's sampler call (its grammar over the vocabulary) gets a deadline of its own:
+# priced grammars cost at most ~0.25 s per token on 2 cores (wire/grammar_cost.py), so a call
+# this long is a grammar the pricing missed; its request alone is blamed. 0: never.
+SAMPLER_DEADLINE_S = env_float("SAMPLER_DEADLINE_S", 10.0)
 # A request that was streaming when its daemon died is continued by the daemon that takes
 # it over (its tokens replayed, docs/daemon.md); off: it ends with inference_interrupted.
 CONTINUE_STREAMS = env_bool("CONTINUE_STREAMS", True)

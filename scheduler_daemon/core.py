@@ -204,6 +204,7 @@ class InferenceCore:
         # the loop's marks, read without its lock: the heartbeat, the supervisor's watchdog
         self.clock = LoopClock()
         self.stuck_after_s = STUCK_AFTER_S  # the snapshot says "stuck" past this
+        self.scheduler.on_sampling = lambda started: self.clock.sampling(started)
         self.longest_turn_s = 0.0  # since start: how near legitimate work comes to a hang
         self._last_tick_stats: TickStats | None = None
         self._last_scheduler_snapshot: dict[str, Any] = {}
@@ -852,7 +853,7 @@ class InferenceCore:
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's turns, seconds since its last one, and whether it looks stuck."""
-        state, turns, _at, _call = self.clock.read()
+        state, turns, _at, _call, _sample = self.clock.read()
         stalled = self.clock.stalled_s()
         calling = self.clock.calling_s()
         loop_stuck = stalled is not None and stalled > self.stuck_after_s

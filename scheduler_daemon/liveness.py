@@ -17,9 +17,13 @@ grammar compile; the vocabulary thread) say so too (``LoopClock.calling``): the 
 when the oldest such call began, and the watchdog kills a daemon whose call has run past the
 deadline as well (that thread starts every job: stuck, it stops the daemon for everyone).
 
-The file holds four 8-byte fields: the state (0 unarmed, 1 running, 2 stopped), the turns
-completed, the monotonic time of the last mark and that of the oldest native call under way
-off the loop (0: none) (``time.monotonic()``: CLOCK_MONOTONIC, one clock for every process
+A sampler call (one request's next token: its grammar, its sampling chain) is marked too:
+priced grammars keep it to milliseconds, so the watchdog gives it a deadline of its own,
+much shorter than a turn's (``SAMPLER_DEADLINE_S``).
+
+The file holds five 8-byte fields: the state (0 unarmed, 1 running, 2 stopped), the turns
+completed, the monotonic time of the last mark, that of the oldest native call under way
+off the loop (0: none) and that of the sampler call under way (0: none) (``time.monotonic()``: CLOCK_MONOTONIC, one clock for every process
 of the machine). A reader reads the fields twice and keeps a read only when both agree (a
 mark may land between two loads).
 """
@@ -36,9 +40,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-_LAYOUT = struct.Struct("<QQdd")  # state, turns, last mark, oldest call off the loop (or 0)
+# state, turns, last mark, oldest call off the loop (or 0), the loop's sampler call (or 0)
+_LAYOUT = struct.Struct("<QQddd")
 _LOOP = struct.Struct("<QQd")  # the loop thread's part, written by it alone
 _CALL = struct.Struct("<d")  # the other threads' part (under _calls_lock), at _LOOP.size
+_SAMPLE = struct.Struct("<d")  # the loop's, at _SAMPLE_AT
+_SAMPLE_AT = _LOOP.size + _CALL.size
 UNARMED, RUNNING, STOPPED = 0, 1, 2
 STUCK_AFTER_S = 30.0  # "stuck" past this (run_scheduler: a quarter of TICK_DEADLINE_S)
 
@@ -82,7 +89,13 @@ class LoopClock:
 
     def reset(self) -> None:
         """Unarmed again (the supervisor, before it starts a new run)."""
-        _LAYOUT.pack_into(self._map, 0, UNARMED, 0, 0.0, 0.0)
+        _LAYOUT.pack_into(self._map, 0, UNARMED, 0, 0.0, 0.0, 0.0)
+
+    def sampling(self, started: bool) -> None:
+        """The loop enters (or leaves) one request's sampler: a call that costs milliseconds
+        when the grammar is priced right, so one that runs long is a hang sooner than a
+        turn is (the watchdog's sampler deadline)."""
+        _SAMPLE.pack_into(self._map, _SAMPLE_AT, time.monotonic() if started else 0.0)
 
     @contextlib.contextmanager
     def calling(self, job_id: str | None = None) -> Iterator[None]:
@@ -108,8 +121,8 @@ class LoopClock:
         with self._calls_lock:
             return min(self._calls.values(), key=lambda c: c[0], default=(0.0, None))[1]
 
-    def read(self) -> tuple[int, int, float, float]:
-        """(state, turns, last mark, oldest call off the loop), consistent."""
+    def read(self) -> tuple[int, int, float, float, float]:
+        """(state, turns, last mark, oldest call off the loop, the sampler call), consistent."""
         while True:
             first = _LAYOUT.unpack_from(self._map, 0)
             if first == _LAYOUT.unpack_from(self._map, 0):
@@ -117,7 +130,7 @@ class LoopClock:
 
     def stalled_s(self, now: float | None = None) -> float | None:
         """Seconds since the loop's last mark while it runs; None while unarmed or stopped."""
-        state, _turns, at, _call = self.read()
+        state, _turns, at, _call, _sample = self.read()
         if state != RUNNING:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - at)
@@ -125,7 +138,14 @@ class LoopClock:
     def calling_s(self, now: float | None = None) -> float | None:
         """Seconds the oldest native call off the loop has run; None when none runs (or the
         loop is not running)."""
-        state, _turns, _at, since = self.read()
+        state, _turns, _at, since, _sample = self.read()
+        if state != RUNNING or since == 0.0:
+            return None
+        return max(0.0, (time.monotonic() if now is None else now) - since)
+
+    def sampling_s(self, now: float | None = None) -> float | None:
+        """Seconds the loop has been in one request's sampler; None when it is not."""
+        state, _turns, _at, _call, since = self.read()
         if state != RUNNING or since == 0.0:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - since)

@@ -150,6 +150,7 @@ class Scheduler:
         # the request whose sampler runs now (set on the loop thread, read without the lock:
         # a loop stuck here is stuck on this request's grammar or sampler, not on the others)
         self.sampling: str | None = None
+        self.on_sampling: Callable[[bool], None] | None = None  # the loop clock's mark
         self.tick_rows: list[str] = []  # requests in the batch of the tick under way
         self.last_plan: TickPlan | None = None  # the latest plan made (for tests and logs)
         budget = config.kv_budget_tokens or engine.n_ctx
@@ -870,9 +871,13 @@ class Scheduler:
         """Sample and take one request's next token; whatever fails here fails that
         request alone (its sampler, its grammar, its text decoding, its stop strings)."""
         self.sampling = req.id
+        if self.on_sampling is not None:
+            self.on_sampling(True)
         try:
             token = req.sampler.sample(batch_index)
             self.sampling = None
+            if self.on_sampling is not None:
+                self.on_sampling(False)
             logprob = None
             if req.params.logprobs is not None:  # only requests that ask pay for it
                 logprob = self.engine.token_logprobs(batch_index, token, req.params.logprobs)
@@ -883,6 +888,8 @@ class Scheduler:
         except Exception as exc:
             self.fail_request(req.id, exc)
         finally:
+            if self.sampling is not None and self.on_sampling is not None:
+                self.on_sampling(False)
             self.sampling = None
 
     def fail_request(self, request_id: str, exc: BaseException) -> bool:

@@ -52,18 +52,37 @@ class Exit:
         return _describe(self.status)
 
 
+@dataclass(slots=True, frozen=True)
+class Deadlines:
+    """When the watchdog kills (0: never)."""
+
+    turn_s: float = 0.0  # a loop turn, or a job's native call off the loop
+    sampler_s: float = 0.0  # one request's sampler call (priced grammars: milliseconds)
+
+    def overdue(self, clock: LoopClock) -> float | None:
+        """How long the overdue call has run, if one is past its deadline."""
+        for deadline, ran in ((self.turn_s, clock.stalled_s()), (self.turn_s, clock.calling_s()),
+                              (self.sampler_s, clock.sampling_s())):
+            if deadline > 0 and ran is not None and ran > deadline:
+                return ran
+        return None
+
+
 def supervise(argv: Sequence[str], sleep=time.sleep, tick_deadline_s: float = 0.0,
-              env: dict[str, str] | None = None) -> int:
+              env: dict[str, str] | None = None, sampler_deadline_s: float = 0.0) -> int:
     """Run ``argv`` until it exits cleanly or we are told to stop; returns its last status.
-    ``tick_deadline_s`` > 0: kill a child whose loop has not completed a turn that long."""
+    ``tick_deadline_s`` > 0: kill a child whose loop has not completed a turn that long (or
+    whose native call for a job off the loop has not returned); ``sampler_deadline_s`` > 0:
+    one whose loop has been in one request's sampler that long."""
     clock_path = LoopClock.new_file()
     try:
-        return _supervise(argv, sleep, tick_deadline_s, env or dict(os.environ), clock_path)
+        return _supervise(argv, sleep, Deadlines(tick_deadline_s, sampler_deadline_s),
+                          env or dict(os.environ), clock_path)
     finally:
         clock_path.unlink(missing_ok=True)
 
 
-def _supervise(argv: Sequence[str], sleep, tick_deadline_s: float, env: dict[str, str],
+def _supervise(argv: Sequence[str], sleep, deadlines: Deadlines, env: dict[str, str],
                clock_path: os.PathLike[str]) -> int:
     stopping = False
     child: subprocess.Popen | None = None
@@ -86,7 +105,7 @@ def _supervise(argv: Sequence[str], sleep, tick_deadline_s: float, env: dict[str
         child = subprocess.Popen(list(argv), env={
             **env, "LOOP_CLOCK_FILE": str(clock_path), "DAEMON_RESTARTS": str(restarts),
             "DAEMON_LAST_EXIT": last_exit})
-        ended = _wait(child, clock, tick_deadline_s, lambda: stopping)
+        ended = _wait(child, clock, deadlines, lambda: stopping)
         status = ended.status
         if stopping or status == 0:
             return status
@@ -105,22 +124,20 @@ def _supervise(argv: Sequence[str], sleep, tick_deadline_s: float, env: dict[str
             return status
 
 
-def _wait(child: subprocess.Popen, clock: LoopClock, tick_deadline_s: float,
-          stopping) -> Exit:
-    """Wait for the child to end; kill it first if its loop stalls past the deadline (not
+def _wait(child: subprocess.Popen, clock: LoopClock, deadlines: Deadlines, stopping) -> Exit:
+    """Wait for the child to end; kill it first if a call stalls past its deadline (not
     while it is being stopped: a drain's last turns are its own business)."""
     while True:
         try:
             return Exit(child.wait(timeout=POLL_S))
         except subprocess.TimeoutExpired:
             pass
-        stalled = max((s for s in (clock.stalled_s(), clock.calling_s()) if s is not None),
-                      default=None)
-        if tick_deadline_s > 0 and stalled is not None and stalled > tick_deadline_s \
-                and not stopping():
-            log.error("the scheduler daemon (pid %d) has not completed a loop turn (or a call "
-                      "into llama.cpp for a job) for %.1f s (TICK_DEADLINE_S %.1f): killing it",
-                      child.pid, stalled, tick_deadline_s)
+        stalled = deadlines.overdue(clock)
+        if stalled is not None and not stopping():
+            log.error("the scheduler daemon (pid %d) has not completed a loop turn (a sampler "
+                      "call, a call into llama.cpp for a job) for %.1f s (TICK_DEADLINE_S %.1f, "
+                      "SAMPLER_DEADLINE_S %.1f): killing it", child.pid, stalled,
+                      deadlines.turn_s, deadlines.sampler_s)
             child.kill()
             return Exit(child.wait(), hung_s=stalled)
 

@@ -40,6 +40,16 @@ CHILD = textwrap.dedent("""
         time.sleep(0.05)
     if behaviour == "hang":
         time.sleep(3600)
+    if behaviour == "samplerhang":  # the loop enters a sampler call that never returns
+        clock.sampling(True)
+        time.sleep(3600)
+    if behaviour == "samplers":  # many sampler calls, each short: no hang
+        for _ in range(30):
+            clock.sampling(True)
+            time.sleep(0.02)
+            clock.sampling(False)
+            clock.mark()
+            time.sleep(0.03)
     if behaviour == "callhang":  # the loop turns on, but a job's native call never returns
         import threading
         def call():
@@ -64,13 +74,14 @@ def signals_restored():
         signal.signal(sig, handler)
 
 
-def supervise_child(tmp_path, behaviours: str, deadline_s: float) -> tuple[int, list[str]]:
+def supervise_child(tmp_path, behaviours: str, deadline_s: float,
+                    sampler_deadline_s: float = 0.0) -> tuple[int, list[str]]:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     runs = tmp_path / "runs.txt"
     status = supervisor.supervise(
         [sys.executable, str(script), str(runs), behaviours], sleep=lambda _s: None,
-        tick_deadline_s=deadline_s,
+        tick_deadline_s=deadline_s, sampler_deadline_s=sampler_deadline_s,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     return status, runs.read_text().splitlines()
 
@@ -90,10 +101,18 @@ def test_a_native_call_off_the_loop_that_never_returns_is_a_hang_too(tmp_path,
     assert runs[1].startswith("1|hung: ")
 
 
-@pytest.mark.parametrize("behaviour", ["unarmed", "drain"])
+def test_a_sampler_call_past_its_own_deadline_is_killed_before_the_turn_deadline(
+        tmp_path, signals_restored):
+    status, runs = supervise_child(tmp_path, "samplerhang,exit", deadline_s=3600,
+                                   sampler_deadline_s=0.5)
+    assert status == 0 and [r.split("|")[0] for r in runs] == ["0", "1"]
+    assert runs[1].startswith("1|hung: ")
+
+
+@pytest.mark.parametrize("behaviour", ["unarmed", "drain", "samplers"])
 def test_a_loop_not_yet_started_or_stopped_on_purpose_is_no_hang(tmp_path, signals_restored,
                                                                   behaviour):
-    status, runs = supervise_child(tmp_path, behaviour, deadline_s=0.5)
+    status, runs = supervise_child(tmp_path, behaviour, deadline_s=0.5, sampler_deadline_s=0.5)
     assert status == 0 and runs == ["0|"]  # one run: never killed
 
 

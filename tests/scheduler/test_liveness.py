@@ -58,7 +58,7 @@ def test_the_clock_is_unarmed_then_running_then_stopped(tmp_path):
         assert reader.read()[0] == UNARMED and reader.stalled_s() is None
         writer.mark()
         writer.mark()
-        state, turns, _, _ = reader.read()
+        state, turns, _, _, _ = reader.read()
         assert (state, turns) == (RUNNING, 2) and reader.stalled_s() < 5
         assert reader.calling_s() is None
         entered, leave = threading.Event(), threading.Event()
@@ -83,7 +83,7 @@ def test_the_clock_is_unarmed_then_running_then_stopped(tmp_path):
         writer.stop()
         assert reader.read()[0] == STOPPED and reader.stalled_s() is None
         writer.reset()
-        assert reader.read() == (UNARMED, 0, 0.0, 0.0)
+        assert reader.read() == (UNARMED, 0, 0.0, 0.0, 0.0)
     finally:
         path.unlink()
 
@@ -186,9 +186,11 @@ def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
                                       params=SamplingParams(max_tokens=5, seed=7)))
         wait_until(lambda: core.loop_state()["stuck"])
         assert in_thread(core.loop_state)["stuck_on"] == "guilty"  # the job, not the choice
+        wait_until(lambda: core.clock.sampling_s() > 0.3)  # the sampler deadline's clock runs
         StuckSampler.release.set()
         wait_until(lambda: not core.loop_state()["stuck"])
         assert core.loop_state()["stuck_on"] is None and core.scheduler.sampling is None
+        assert core.clock.sampling_s() is None
     finally:
         StuckSampler.release.set()
         core.stop(grace_s=0)

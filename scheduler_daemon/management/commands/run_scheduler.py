@@ -48,6 +48,7 @@ CONFIG_SETTINGS = (
     "KV_TENANT_SHARE",
     "LOCAL_QUEUE",
     "TICK_DEADLINE_S",
+    "SAMPLER_DEADLINE_S",
 )
 
 # Test-only (FAULT_INJECTION): a job whose prompt holds this stops the scheduler loop for good
@@ -72,6 +73,8 @@ def hang_when_marked(daemon: SchedulerDaemon) -> None:
             log.critical("fault injection: the scheduler loop hangs now")
             scheduler.lock.acquire()
             scheduler.sampling = min(hung)
+            if scheduler.on_sampling is not None:
+                scheduler.on_sampling(True)
             threading.Event().wait()
 
     daemon.intake.started.append(started)
@@ -110,7 +113,8 @@ class Command(BaseCommand):
             )
             argv = [sys.executable, os.path.abspath(sys.argv[0]), "run_scheduler",
                     "--grace", str(options["grace"]), "--daemon-id", daemon_id]
-            status = supervise(argv, tick_deadline_s=settings.TICK_DEADLINE_S)
+            status = supervise(argv, tick_deadline_s=settings.TICK_DEADLINE_S,
+                               sampler_deadline_s=settings.SAMPLER_DEADLINE_S)
             if status != 0:
                 raise CommandError(f"the supervised daemon ended with status {status}")
             return
