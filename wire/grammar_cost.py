@@ -17,12 +17,20 @@ code points that no terminal of the grammar tells apart, so one representative s
 each interval. A state is the stacks alive after some string, each weighted by the number of
 paths that reach it; states with the same stacks are merged keeping the larger weight of
 each (an upper bound). ``C(n)`` is the most stack visits any string of at most ``n``
-characters costs (the weights summed over its prefixes). It starts from ``root`` and from
+characters costs (the weights summed over its prefixes). It starts from ``root``, from
 every recursive rule (where paths multiply without end; a sampler stands inside one after
-any amount of output), all starts priced together, up to ``MAX_TOKEN_CHARS`` characters,
-the longest token piece of the served vocabularies. After each character the
-``MAX_PRICING_STATES`` heaviest states are kept, and with them the heaviest state of every
-start none of those came from, so cheap rules cannot crowd an ambiguous one out.
+any amount of output) and from every reference that is not the first element of an
+alternative ``root`` reaches (a sampler stands there after a prefix of any length: a
+bounded repetition ``item{12}`` is a chain of such references, no recursive rule). Such a
+start is priced as its rule's frame alone (what lies below it only adds paths). A reference
+that begins its alternative, or follows a nullable reference, needs no start of its own:
+its stacks are among those of the reference to its rule, or of the reference before it;
+references whose next ``MAX_TOKEN_CHARS + 1`` non-nullable elements are the same cost the
+same and are priced once (``c{1000}``). All starts are priced together, up to
+``MAX_TOKEN_CHARS`` characters, the longest token piece of the served vocabularies. After
+each character the ``MAX_PRICING_STATES`` heaviest states are kept, and with them the
+heaviest state of every start none of those came from, so cheap rules or decoy
+alternatives cannot crowd an ambiguous one out.
 
 States are interned (a set of stacks -> an id) and each state's moves (the next state per
 character class, and which stacks feed which) are computed once: the same few hundred
@@ -431,6 +439,74 @@ def _recursive_rules(m: _Machine) -> list[int]:
     return sorted(out)
 
 
+def _nullable_rules(m: _Machine) -> list[bool]:
+    """Which rules can match the empty string (a fixpoint over the alternatives)."""
+    nullable = [False] * len(m.alts)
+    kind, arg = m.kind, m.arg
+    changed = True
+    while changed:
+        changed = False
+        for rid, starts in enumerate(m.alts):
+            if nullable[rid]:
+                continue
+            for start in starts:
+                pos = start
+                while kind[pos] == _REF and nullable[arg[pos]]:  # type: ignore[index]
+                    pos += 1
+                m.work += 1 + pos - start
+                if kind[pos] == _END:
+                    nullable[rid] = changed = True
+                    break
+    return nullable
+
+
+def _tail(m: _Machine, pos: int, nullable: list[bool]) -> tuple[object, ...]:
+    """The elements from ``pos`` to the end of its alternative, cut after the
+    ``MAX_TOKEN_CHARS + 1``-th that cannot match the empty string: no token reaches past
+    it, so two positions with the same tail cost the same (a long chain ``char{1000}``
+    is priced once, not once per position)."""
+    kind, arg = m.kind, m.arg
+    out: list[object] = []
+    solid = 0
+    while kind[pos] != _END and solid <= MAX_TOKEN_CHARS:
+        out.append((kind[pos], arg[pos]))
+        if kind[pos] != _REF or not nullable[arg[pos]]:  # type: ignore[index]
+            solid += 1
+        pos += 1
+    m.work += len(out)
+    return tuple(out)
+
+
+def _inner_references(m: _Machine, root: int) -> list[int]:
+    """The positions, in rules ``root`` reaches, of references that are not the first
+    element of their alternative: where a sampler stands after any prefix (a bounded
+    repetition ``item{12}`` is such a chain of references, no recursive rule, behind a
+    prefix of any length). A reference that begins its alternative needs no start of its
+    own: its paths are a subset of those from the reference to its rule in the caller
+    (that reference's own start, or root's)."""
+    n = len(m.alts)
+    seen = [False] * n
+    seen[root] = True
+    todo = [root]
+    out = []
+    kind, arg = m.kind, m.arg
+    while todo:
+        rid = todo.pop()
+        for start in m.alts[rid]:
+            pos = start
+            while kind[pos] != _END:
+                if kind[pos] == _REF:
+                    if pos != start:
+                        out.append(pos)
+                    target = arg[pos]
+                    if not seen[target]:  # type: ignore[index]
+                        seen[target] = True  # type: ignore[index]
+                        todo.append(target)  # type: ignore[arg-type]
+                pos += 1
+        m.work += 1
+    return sorted(out)
+
+
 def price(rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]], src: str,
           root: int, limit: int, budget: int) -> tuple[int, int, int]:
     """(estimated stack visits of one sampling call, the rule where it is worst, the
@@ -452,6 +528,20 @@ def price(rules: list[list[list[int]]], terms: list[tuple[int, str, int, int]], 
         if key not in seen_sets:
             seen_sets.add(key)
             starts.append((rid, dict.fromkeys(stacks, 1)))
+    nullable = _nullable_rules(m)
+    seen_tails = set()
+    for pos in _inner_references(m, root):
+        if m.kind[pos - 1] == _REF and nullable[m.arg[pos - 1]]:  # type: ignore[index]
+            continue  # its stacks are among those of the reference before it
+        tail = _tail(m, pos, nullable)
+        if tail in seen_tails:
+            continue
+        seen_tails.add(tail)
+        stacks = m.advance((pos,))
+        key = frozenset(stacks)
+        if key not in seen_sets:
+            seen_sets.add(key)
+            starts.append((m.owner[pos], dict.fromkeys(stacks, 1)))
     cost, rule = _price_all(m, starts, limit, budget)
     if cost > limit:
         raise PriceExceeded("", rule, m.work)

@@ -892,13 +892,9 @@ def test_json_gbnf_and_schemas_price_well_inside_the_budget():
 
 
 # -- pricing from wherever the sampler stands (review of #31 deliverable 2) ----------------
-# The pricing starts from root and from recursive rules only, up to 32 characters: a bounded
-# repetition ``item{12}`` (a chain of plain references, no recursive rule) behind a long
-# prefix, or behind decoy alternatives that fill the 16 kept states, is accepted although a
-# sampler standing right after the prefix walks ~16^n paths per rejected token. Strict
-# xfail: these document the hole and fail loudly once it is fixed (then drop the marks).
-PRICING_HOLE = pytest.mark.xfail(
-    strict=True, reason="pricing starts only at root and recursive rules (#31 review)")
+# A bounded repetition ``item{12}`` is a chain of plain references, no recursive rule: the
+# pricing also starts at every reference inside an alternative reachable from root, so one
+# behind a long prefix, or behind decoy alternatives, is priced where the sampler stands.
 
 SIXTEEN_ITEMS = (
     "item ::= " + " | ".join(f"c{i}" for i in range(16)) + "\n"
@@ -921,25 +917,47 @@ def test_a_bounded_repetition_behind_a_short_prefix_is_refused(chars):
     assert "too ambiguous" in refused(behind_a_prefix(chars))
 
 
-@PRICING_HOLE
 @pytest.mark.parametrize("chars,reps", [(33, 12), (40, 12), (100, 12), (40, 4), (40, 30)])
 def test_a_bounded_repetition_behind_a_long_prefix_is_refused(chars, reps):
     assert "too ambiguous" in refused(behind_a_prefix(chars, reps))
 
 
-@PRICING_HOLE
 @pytest.mark.parametrize("n", [16, 17])
 def test_a_bounded_repetition_behind_decoys_is_refused(n):
     assert "too ambiguous" in refused(behind_decoys(n))
 
 
-@PRICING_HOLE
 def test_a_bounded_repetition_in_a_rule_used_once_is_refused():
     text = f'root ::= "q" mid "r"\nmid ::= "{"a" * 40}" item{{12}}\n' + SIXTEEN_ITEMS
     assert "too ambiguous" in refused(text)
 
 
-@PRICING_HOLE
 def test_a_bounded_repetition_behind_optional_groups_is_refused():
     text = f'root ::= "{"a" * 40}" "b"? ("c" "d"?)? item{{12}}\n' + SIXTEEN_ITEMS
     assert "too ambiguous" in refused(text)
+
+
+def bounded_decoys_and_an_ambiguous_chain(n: int) -> str:
+    """Behind a long prefix: n bounded repetitions of rules with many paths per character
+    that die on the next one (heavy early), next to one doubling chain ``bad{40}``: each
+    inner reference is a start of its own, kept through the pruning."""
+    return (
+        f'root ::= "{"a" * 40}" ('
+        + "".join(f'"{i}:" d{i}{{6}} | ' for i in range(n)) + '"#" bad{40})\n'
+        + "".join(
+            f"d{i} ::= " + " | ".join(f'[a-z] "{i}-{j}"' for j in range(8)) + "\n"
+            for i in range(n)
+        )
+        + "bad ::= c0 | c1\nc0 ::= [a-z]\nc1 ::= [a-z]\n"
+    )
+
+
+@pytest.mark.parametrize("n", [0, 20, 40])
+def test_bounded_decoys_do_not_crowd_out_an_ambiguous_chain(n):
+    assert "too ambiguous" in refused(bounded_decoys_and_an_ambiguous_chain(n))
+
+
+def test_a_long_chain_of_equal_references_is_priced_once():
+    """``char{1000}`` has 1000 inner references with the same next 33 elements: one start."""
+    stats = grammar_stats('root ::= "x" c{1000}\nc ::= [a-z] | "\\\\" [nt]\n')
+    assert stats["pricing_work"] < gc.MAX_PRICING_WORK / 8
