@@ -120,7 +120,7 @@ rather than following any one family. The pricing itself stops at ``MAX_PRICING_
 steps (refused as too ambiguous to price): json.gbnf takes ~61,000 (12-15 ms of CPU on
 this loaded machine), the 32 KB schema grammar of the tests ~43,000 (9-11 ms), arrays
 nested 64 deep ~95,000 (16-19 ms), and a grammar that exhausts the budget stops within
-~140 ms (the budget was 300,000 before inner references were priced).
+~140 ms.
 
 This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
 """
