@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,9 +35,9 @@ import django  # noqa: E402
 
 django.setup()
 
+from _common import machine  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from _common import machine  # noqa: E402
 from config.models import default_path  # noqa: E402
 from scheduler_daemon.core import InferenceCore  # noqa: E402
 from wire.sampling import SamplingParams  # noqa: E402
@@ -121,8 +122,8 @@ def main() -> None:
         core.start()
         try:
             work = phases(core)
-            measure(core, [lambda: generate(core, [text_tokens(core, 64, 999)],
-                                            SamplingParams(max_tokens=4))])  # warm
+            warm = [text_tokens(core, 64, 999)]
+            measure(core, [partial(generate, core, warm, SamplingParams(max_tokens=4))])
             chosen = args.phases.split(",")
             result[model] = {name: measure(core, w) for name, w in work.items() if name in chosen}
             if "all" in chosen:

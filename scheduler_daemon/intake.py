@@ -496,8 +496,11 @@ class Intake:
                 except Exception:
                     log.exception("answering job %s failed; it ends with an error, alone",
                                   job.id)
-                    self.refuse(job.id, entry_id, Refusal(
-                        errors.INTERNAL_ERROR, "The server could not answer this request."))
+                    try:  # nothing may end this thread: every later job would wait for good
+                        self.refuse(job.id, entry_id, Refusal(
+                            errors.INTERNAL_ERROR, "The server could not answer this request."))
+                    except Exception:
+                        log.exception("ending job %s with an error failed", job.id)
                 self._vocabulary_s += 0.2 * (time.monotonic() - t0 - self._vocabulary_s)
 
     def join_vocabulary(self, timeout_s: float) -> None:

@@ -23,9 +23,10 @@ much shorter than a turn's (``SAMPLER_DEADLINE_S``).
 
 The file holds five 8-byte fields: the state (0 unarmed, 1 running, 2 stopped), the turns
 completed, the monotonic time of the last mark, that of the oldest native call under way
-off the loop (0: none) and that of the sampler call under way (0: none) (``time.monotonic()``: CLOCK_MONOTONIC, one clock for every process
-of the machine). A reader reads the fields twice and keeps a read only when both agree (a
-mark may land between two loads).
+off the loop (0: none) and that of the sampler call under way (0: none). Times are
+``time.monotonic()``: CLOCK_MONOTONIC, one clock for every process of the machine. A reader
+reads the fields twice and keeps a read only when both agree (a mark may land between two
+loads).
 """
 
 from __future__ import annotations
@@ -130,23 +131,23 @@ class LoopClock:
 
     def stalled_s(self, now: float | None = None) -> float | None:
         """Seconds since the loop's last mark while it runs; None while unarmed or stopped."""
-        state, _turns, at, _call, _sample = self.read()
-        if state != RUNNING:
-            return None
-        return max(0.0, (time.monotonic() if now is None else now) - at)
+        return self._age(2, now)
 
     def calling_s(self, now: float | None = None) -> float | None:
         """Seconds the oldest native call off the loop has run; None when none runs (or the
         loop is not running)."""
-        state, _turns, _at, since, _sample = self.read()
-        if state != RUNNING or since == 0.0:
-            return None
-        return max(0.0, (time.monotonic() if now is None else now) - since)
+        return self._age(3, now)
 
     def sampling_s(self, now: float | None = None) -> float | None:
         """Seconds the loop has been in one request's sampler; None when it is not."""
-        state, _turns, _at, _call, since = self.read()
-        if state != RUNNING or since == 0.0:
+        return self._age(4, now)
+
+    def _age(self, field: int, now: float | None) -> float | None:
+        """Seconds since the time in ``field`` of ``read()``, while the loop runs and the
+        field is set (the last mark always is)."""
+        fields = self.read()
+        since = fields[field]
+        if fields[0] != RUNNING or since == 0.0:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - since)
 

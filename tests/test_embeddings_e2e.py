@@ -129,7 +129,8 @@ def test_another_tenant_is_served_while_an_embeddings_burst_runs(web):
     are both answered before the burst's first request finishes (its 112 embeddings
     decodes; the chat needs its prompt and 8 ticks, taking turns with embeddings by time;
     the one input waits for at most the 2,048-token input open at its arrival: tenants take
-    turns by decode, and at N_CTX 2048 the context holds one whole input). The burst's jobs past the tenant's EMBEDDINGS_TENANT_TOKENS get 429
+    turns by decode, and at N_CTX 2048 the context holds one whole input). The burst's jobs
+    past the tenant's EMBEDDINGS_TENANT_TOKENS get 429
     ``tenant_queue_full`` with a Retry-After; the ones held are cut short by the daemon's
     stop at the end (the deadline below is only a backstop: it is never what passes)."""
     import threading

@@ -169,7 +169,7 @@ class _Machine:
             self.alts.append(starts)
         # the abstract alphabet: intervals that no character element splits
         cuts = {0, _UNICODE_END}
-        for k, a in zip(kind, arg):
+        for k, a in zip(kind, arg, strict=True):
             if k == _CHAR:
                 for lo, hi in a[1]:  # type: ignore[index]
                     cuts.add(lo)
@@ -178,7 +178,7 @@ class _Machine:
         self.n_classes = len(bounds) - 1
         full = (1 << self.n_classes) - 1
         masks: dict[object, int] = {}
-        for pos, (k, a) in enumerate(zip(kind, arg)):
+        for pos, (k, a) in enumerate(zip(kind, arg, strict=True)):
             if k != _CHAR:
                 continue
             mask = masks.get(a)

@@ -32,6 +32,7 @@ from .errors import (  # noqa: F401  (re-exported: codes the wire names)
     REQUEST_QUARANTINED,
     SCHEDULER_UNAVAILABLE,
 )
+from .scripts import lua
 
 PREFIX = "llm"
 JOBS_GROUP = "daemons"
@@ -173,29 +174,8 @@ DEATHS_TTL_S = 24 * 3600
 QUARANTINE_HASH = f"{PREFIX}:quarantine"
 QUARANTINE_AFTER_DEATHS = 2  # distinct deaths a fingerprint was running at before it is refused
 
-# KEYS[1] the fingerprint's deaths set. ARGV[1] the death (``death_id``), ARGV[2] the set's
-# TTL. Adds the death once, however many copies of the job ran at it and however many
-# daemons recover them at once; returns every death of the set. (A string left by a daemon
-# that counted with INCR is replaced: its count names no death.)
-COUNT_DEATH = """
-local deaths_key, death, ttl = KEYS[1], ARGV[1], ARGV[2]
-if redis.call('TYPE', deaths_key).ok ~= 'set' then redis.call('DEL', deaths_key) end
-redis.call('SADD', deaths_key, death)
-redis.call('EXPIRE', deaths_key, ttl)
-return redis.call('SMEMBERS', deaths_key)
-"""
-
-# KEYS[1] a dead daemon's running hash. ARGV pairs: request id, the entry read for it. Deletes
-# each entry still as read: an entry a later run of the same id wrote since is kept.
-FORGET_RUNNING = """
-local running_key = KEYS[1]
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', running_key, ARGV[i]) == ARGV[i + 1] then
-    redis.call('HDEL', running_key, ARGV[i])
-  end
-end
-return 0
-"""
+COUNT_DEATH = lua("count_death")  # one death added to a fingerprint's set, once
+FORGET_RUNNING = lua("forget_running")  # a dead run's records of recovered jobs deleted
 
 
 GONE_TTL_S = 600

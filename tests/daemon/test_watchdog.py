@@ -119,8 +119,8 @@ def test_a_loop_not_yet_started_or_stopped_on_purpose_is_no_hang(tmp_path, signa
 # -- a real daemon ------------------------------------------------------------------------
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
-# TICK_DEADLINE_S here: "stuck" is published after a quarter (5 s); a loaded 2-core machine can take a
-# few seconds for a legitimate tick
+# TICK_DEADLINE_S here: "stuck" is published after a quarter (5 s); a loaded 2-core machine
+# can take a few seconds for a legitimate tick
 DEADLINE_S = 20.0
 
 

@@ -37,10 +37,16 @@ def in_thread(fn, timeout_s: float = 5.0):
     return out[0]
 
 
-def make_core() -> tuple[InferenceCore, FakeEngine, list[FinishedEvent]]:
-    engine = FakeEngine()
+def watched_core(engine: FakeEngine) -> InferenceCore:
+    """A core over ``engine`` that says "stuck" after 0.3 s."""
     core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
     core.stuck_after_s = 0.3
+    return core
+
+
+def make_core() -> tuple[InferenceCore, FakeEngine, list[FinishedEvent]]:
+    engine = FakeEngine()
+    core = watched_core(engine)
     ends: list[FinishedEvent] = []
     core.listeners.append(lambda e: ends.append(e) if isinstance(e, FinishedEvent) else None)
     return core, engine, ends
@@ -175,8 +181,7 @@ class StuckSamplerEngine(FakeEngine):
 
 def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
     engine = StuckSamplerEngine()
-    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
-    core.stuck_after_s = 0.3
+    core = watched_core(engine)
     StuckSampler.release.clear()
     core.start()
     try:
@@ -207,8 +212,7 @@ class StuckTokenizerEngine(FakeEngine):
 def test_a_native_call_for_a_job_off_the_loop_that_does_not_return_shows_as_stuck():
     """The preparer's (or the vocabulary thread's) calls into llama.cpp are watched too."""
     engine = StuckTokenizerEngine()
-    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
-    core.stuck_after_s = 0.3
+    core = watched_core(engine)
     StuckTokenizerEngine.release.clear()
     core.start()
     caller = threading.Thread(target=lambda: core.vocabulary_answer(
@@ -270,8 +274,7 @@ def test_a_cancel_deferred_while_a_plan_is_made_aborts_that_plans_decode(harness
 def test_a_stuck_call_off_the_loop_blames_its_job_not_the_request_the_loop_samples():
     engine = StuckTokenizerEngine()
     engine.n_vocab = 100_000
-    core = InferenceCore(engine, SchedulerConfig(chunk_size=64), chat_template="{{ messages }}")
-    core.stuck_after_s = 0.3
+    core = watched_core(engine)
     StuckTokenizerEngine.release.clear()
     core.start()
     try:
