@@ -62,6 +62,7 @@ CHILD = textwrap.dedent("""
     if behaviour == "drain":  # stops its loop on purpose, then takes its time to exit
         clock.stop()
         time.sleep(1.5)
+    clock.stop()  # as the core's loop does when it ends: the exit is no hang, however slow
     sys.exit(0)
 """)
 
