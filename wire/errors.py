@@ -43,6 +43,7 @@ CODES: dict[str, ErrorCode] = _codes(
     ("unsupported_parameter", 400, "a known field with a value not supported here"),
     ("invalid_message", 400, "a websocket message of the wrong shape"),
     ("request_too_large", 400, "the body is larger than the web accepts"),
+    ("request_timeout", 408, "the request's head or body stopped arriving (the door, nginx)"),
     ("empty_prompt", 400, "the prompt has no tokens"),
     ("context_length_exceeded", 400, "prompt + max_tokens exceed the context (or a tenant share)"),
     ("request_quarantined", 400, "it stopped the daemon twice (an operator may release it)"),
@@ -57,6 +58,7 @@ CODES: dict[str, ErrorCode] = _codes(
     ("request_cancelled", 409, "cancelled before it had its answer (embeddings, tokenize)"),
     # limits
     ("rate_limited", 429, "too many requests"),
+    ("too_many_connections", 429, "too many requests in progress from one client address"),
     ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
     ("tpm_exceeded", 429, "tokens per minute over the tenant's limit"),
     ("concurrency_limited", 429, "too many requests in flight for the tenant"),
