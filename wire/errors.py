@@ -59,6 +59,7 @@ CODES: dict[str, ErrorCode] = _codes(
     # limits
     ("rate_limited", 429, "too many requests"),
     ("too_many_connections", 429, "too many requests in progress from one client address"),
+    ("auth_throttled", 429, "too many failed key checks from one client address"),
     ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
     ("tpm_exceeded", 429, "tokens per minute over the tenant's limit"),
     ("concurrency_limited", 429, "too many requests in flight for the tenant"),
@@ -93,6 +94,7 @@ REQUEST_QUARANTINED = "request_quarantined"
 TIMEOUT = "timeout"
 CANCELLED = "request_cancelled"
 SERVICE_UNAVAILABLE = "service_unavailable"
+AUTH_THROTTLED = "auth_throttled"
 
 
 def status_of(code: str | None) -> int:
