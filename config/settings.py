@@ -5,6 +5,7 @@ folder, Redis on localhost.
 """
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -47,6 +48,29 @@ CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 ROOT_PATH = env_str("ROOT_PATH", "")
 TRUST_ROOT_PATH_HEADER = env_bool("TRUST_ROOT_PATH_HEADER", False)
 
+# HTTPS (docs/security.md): on by default when DEBUG is off, where a proxy in front
+# terminates TLS and says so in X-Forwarded-Proto (which it sets on every request). On:
+# cookies only over HTTPS, HSTS, plain HTTP redirected, but for what machines reach
+# directly (the proxy's key check, metrics scrapes, health probes). Each can be set on its
+# own; HTTPS_ONLY=false turns them all off for a set-up served over plain HTTP (compose on
+# localhost).
+HTTPS_ONLY = env_bool("HTTPS_ONLY", not DEBUG)
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("TRUST_FORWARDED_PROTO", True) else None)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", HTTPS_ONLY)
+# (matched against the path with ROOT_PATH, without its first "/")
+SECURE_REDIRECT_EXEMPT = [r"(^|/)internal/key-check$", r"(^|/)(v1/)?metrics$", r"(^|/)v1/health$"]
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", HTTPS_ONLY)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", HTTPS_ONLY)
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600 if HTTPS_ONLY else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -59,6 +83,7 @@ INSTALLED_APPS = [
     "adrf",
     "drf_spectacular",
     "channels",
+    "axes",
     "accounts",
     "inference",
     "scheduler_daemon",
@@ -79,6 +104,8 @@ SITE_MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # last, as django-axes asks: turns a locked-out login into its refusal page
+    "axes.middleware.AxesMiddleware",
 ]
 API_MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -86,8 +113,14 @@ API_MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 MIDDLEWARE = ["config.middleware.SiteOrApiMiddleware"]
-# The admin's checks look for its middleware in MIDDLEWARE; it is in SITE_MIDDLEWARE.
-SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
+# The admin's, django-axes' and Django's security checks look for their middleware in
+# MIDDLEWARE; it is in SITE_MIDDLEWARE (tests/test_settings.py runs Django's deploy checks
+# with MIDDLEWARE = SITE_MIDDLEWARE). W021: HSTS preload commits the whole domain to the
+# browsers' lists; an operator opts in (SECURE_HSTS_PRELOAD=true).
+SILENCED_SYSTEM_CHECKS = [
+    "admin.E408", "admin.E409", "admin.E410", "axes.W002",
+    "security.W001", "security.W002", "security.W003", "security.W021",
+]
 
 ROOT_URLCONF = "config.urls"
 ASGI_APPLICATION = "config.asgi.application"
@@ -134,6 +167,21 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     else:
         DATABASES["default"]["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 600)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Admin logins (django-axes, docs/security.md): after AXES_FAILURE_LIMIT wrong passwords
+# from one client address (REMOTE_ADDR: the proxy's X-Forwarded-For, through daphne's
+# --proxy-headers), that address's logins are refused, the right password too, until
+# AXES_COOLOFF_MINUTES pass without another try (429, a plain page). By address, not by
+# user name: a guesser can neither lock the administrator out from elsewhere nor spread
+# guesses over user names; a success does not clear the count (a known low-privilege login
+# cannot buy more guesses).
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("AXES_COOLOFF_MINUTES", 15.0))
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -208,6 +256,11 @@ LIMIT_SLOT_GRACE_S = env_float("LIMIT_SLOT_GRACE_S", 60.0)
 # /metrics (docs/observability.md): a Bearer token; empty: only clients in these networks.
 METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 METRICS_ALLOWED_NETS = env_list("METRICS_ALLOWED_NETS", ["127.0.0.1/32", "::1/128"])
+# Wrong API keys (inference/auth.py): a key prefix no key has is answered without a query
+# for this long; a client address with this many failed key checks in a minute is refused
+# (429 auth_throttled) for the rest of that minute, without a query. 0: off.
+AUTH_NEGATIVE_CACHE_S = env_float("AUTH_NEGATIVE_CACHE_S", 30.0)
+AUTH_FAILURES_PER_MINUTE = env_int("AUTH_FAILURES_PER_MINUTE", 30)
 
 # The model and the scheduler daemon's knobs.
 # The models `make run` serves, one daemon each (config/models.py's catalog names them);

@@ -1,39 +1,74 @@
-"""The API's authentication: one DRF class for every view, the same lookup for websockets.
+"""The API's authentication: one DRF class for every view, the same lookup for websockets
+and for the proxy's key check.
 
 ``ApiKeyAuthentication`` (REST_FRAMEWORK's default: every /v1/ view, sync or async) reads
 ``Authorization: Bearer sk-...``; ``key_for`` is the same lookup for async code (the
-websocket's middleware and its ``auth`` message). A key is looked up in the database
-(``accounts.authentication.authenticate_key``, on the web's database thread) and then
-trusted for ``KEY_CACHE_S`` in this process: a revoked key, or one whose tenant was
-deactivated, stops authenticating within that second in every web process, and at once
-in a process that changed it through the model (``revoke()``, a save in the admin: the
-cache forgets it on ``post_save``/``post_delete``). Open websockets notice within
+websocket's middleware and its ``auth`` message); ``key_check`` answers nginx's
+``auth_request`` (GET /internal/key-check) before it reads a request's body. A key is looked
+up in the database (``accounts.authentication.find_key``, on the web's database thread) and
+then trusted for ``KEY_CACHE_S`` in this process: a revoked key, or one whose tenant was
+deactivated, stops authenticating within that second in every web process, and at once in a
+process that changed it through the model (``revoke()``, a save in the admin: the cache
+forgets it on ``post_save``/``post_delete``). Open websockets notice within
 ``WS_REVOCATION_CHECK_S`` (consumers.py), the same second.
+
+Wrong keys cost the database little (both in this process, bounded):
+- a key prefix the database does not know is remembered for ``AUTH_NEGATIVE_CACHE_S``, and
+  answered without a query until then;
+- failed authentications are counted per client address (``REMOTE_ADDR``, the ASGI scope's
+  client: daphne's ``--proxy-headers`` makes it the real client behind the proxy; an IPv6
+  address counts with its /64). Past ``AUTH_FAILURES_PER_MINUTE`` in a minute the address
+  is refused, 429 ``auth_throttled`` with Retry-After, without a query for the rest of that
+  minute; only a key this process has cached as good (its prefix and secret) is still
+  looked up, so a tenant behind the same address keeps working.
 """
 from __future__ import annotations
 
+import ipaddress
+import math
+import threading
 import time
+from collections import OrderedDict
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from channels.middleware import BaseMiddleware
+from django.conf import settings
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.request import Request
 
-from accounts.authentication import ApiKeyUser, authenticate_key
+from accounts.authentication import ApiKeyUser, Found, find_key
 from accounts.models import ApiKey, Tenant, split_key
 from inference import db
+from wire.errors import AUTH_THROTTLED
 
 KEYWORD = "Bearer"
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
 BAD_KEY = "Incorrect API key provided."
+THROTTLED = ("Too many failed API key checks from your address; try again in {seconds} s "
+             "(a key in use here a moment ago still works).")
 INVALID_API_KEY = "invalid_api_key"  # the code of both refusals (wire.errors.CODES)
+API_KEY_HEADER = "X-Api-Key"  # the key-check view's other header (Anthropic's style)
 # How long a key read from the database is trusted; at most inference.limits.FRESH_KEY_S,
 # so that admission takes the tenant limits loaded with the key.
 KEY_CACHE_S = 1.0
 MAX_CACHED_KEYS = 10_000
+# Defaults of the settings of the same names (settings.AUTH_NEGATIVE_CACHE_S, ...); 0: off.
+NEGATIVE_CACHE_S = 30.0
+FAILURES_PER_MINUTE = 30
+FAILURE_WINDOW_S = 60.0
+MAX_UNKNOWN_PREFIXES = 10_000  # the negative cache's size; the oldest go first
+MAX_TRACKED_ADDRESSES = 50_000  # addresses whose failures are counted; the quietest go first
+IPV6_NETWORK_BITS = 64  # an IPv6 client counts with its /64 (one subscriber's addresses)
+# The client address for key lookups from async code that has no request at hand (the
+# websocket's ``auth`` message): ApiKeyAuthMiddleware sets it for the connection.
+client_address: ContextVar[str | None] = ContextVar("client_address", default=None)
 
 
 def bearer_token(header: str) -> str | None:
@@ -62,6 +97,13 @@ class KeyCache:
             return False
         return api_key if api_key.matches(secret) else None
 
+    def known(self, raw: str) -> bool:
+        """Whether ``raw`` is a key this process found good, however long ago (its prefix
+        cached and its secret matching): a throttled address may still look it up."""
+        parts = split_key(raw.strip())
+        api_key = self._keys.get(parts[0]) if parts else None
+        return api_key is not None and api_key.matches(parts[1])
+
     def put(self, api_key: ApiKey) -> None:
         if len(self._keys) >= MAX_CACHED_KEYS:
             self._keys.clear()
@@ -76,33 +118,191 @@ class KeyCache:
                 self._keys.pop(key.prefix, None)
 
 
+class UnknownPrefixes:
+    """Key prefixes the database named no key for, each remembered for
+    ``AUTH_NEGATIVE_CACHE_S`` (at most ``MAX_UNKNOWN_PREFIXES``, the oldest dropped first)."""
+
+    def __init__(self) -> None:
+        self._until: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, prefix: str) -> bool:
+        with self._lock:
+            until = self._until.get(prefix)
+            if until is not None and until <= time.monotonic():
+                del self._until[prefix]
+                until = None
+            return until is not None
+
+    def add(self, prefix: str) -> None:
+        ttl_s = _setting("AUTH_NEGATIVE_CACHE_S", NEGATIVE_CACHE_S)
+        if ttl_s <= 0:
+            return
+        with self._lock:
+            self._until.pop(prefix, None)
+            self._until[prefix] = time.monotonic() + ttl_s
+            while len(self._until) > MAX_UNKNOWN_PREFIXES:
+                self._until.popitem(last=False)
+
+    def discard(self, prefix: str) -> None:
+        with self._lock:
+            self._until.pop(prefix, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._until.clear()
+
+
+class FailedAuthThrottle:
+    """Failed authentications per client address, in windows of ``FAILURE_WINDOW_S`` from
+    each address's first failure; an address with ``AUTH_FAILURES_PER_MINUTE`` failures in
+    its window is refused until the window ends. A lookup counts as a failure from when it
+    is admitted until it succeeds, so concurrent lookups cannot overshoot the limit;
+    refusals are not counted (they cost nothing). At most ``MAX_TRACKED_ADDRESSES`` are
+    tracked, the longest quiet dropped first."""
+
+    def __init__(self) -> None:
+        self._windows: OrderedDict[str, list[float]] = OrderedDict()  # address: [start, count]
+        self._lock = threading.Lock()
+
+    def admit(self, address: str | None) -> int | None:
+        """Count one failure in advance for a check about to run; None when it may run,
+        else the seconds until the address may try again (nothing counted)."""
+        limit = int(_setting("AUTH_FAILURES_PER_MINUTE", FAILURES_PER_MINUTE))
+        if limit <= 0:
+            return None
+        key, now = client_key(address), time.monotonic()
+        with self._lock:
+            window = self._windows.pop(key, None)
+            if window is None or now - window[0] >= FAILURE_WINDOW_S:
+                window = [now, 0]
+            self._windows[key] = window  # the most recent attempt last
+            if window[1] >= limit:
+                return max(1, math.ceil(window[0] + FAILURE_WINDOW_S - now))
+            window[1] += 1
+            while len(self._windows) > MAX_TRACKED_ADDRESSES:
+                self._windows.popitem(last=False)
+        return None
+
+    def succeeded(self, address: str | None) -> None:
+        """An admitted check found a usable key: its failure is taken back."""
+        with self._lock:
+            window = self._windows.get(client_key(address))
+            if window is not None and window[1] > 0:
+                window[1] -= 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._windows.clear()
+
+
 keys = KeyCache()
+unknown_prefixes = UnknownPrefixes()
+failures = FailedAuthThrottle()
 
 
-def lookup(raw: str) -> ApiKey | None:
-    """The usable key for a plaintext key; from sync code (DRF's request thread)."""
+class AuthThrottled(exceptions.APIException):
+    """429 ``auth_throttled``: the client's address failed too many key checks (DRF's
+    handler sends ``wait`` as Retry-After)."""
+
+    status_code = 429
+    default_code = AUTH_THROTTLED
+
+    def __init__(self, wait_s: int) -> None:
+        super().__init__(THROTTLED.format(seconds=wait_s), AUTH_THROTTLED)
+        self.wait = wait_s
+
+
+def client_key(address: str | None) -> str:
+    """The address failures are counted under: an IPv4 address (also one mapped into IPv6),
+    an IPv6 address's /64, or the address as given when it is not one."""
+    try:
+        ip = ipaddress.ip_address((address or "").strip())
+    except ValueError:
+        return address or "unknown"
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_NETWORK_BITS}", strict=False))
+    return str(ip)
+
+
+@dataclass(slots=True)
+class _Ask:
+    """The database must say; ``counted``: a failure is already counted for the check."""
+
+    counted: bool
+
+
+def _before_database(raw: str, address: str | None) -> ApiKey | None | _Ask:
+    """What this process knows without a query: the cached key; None for a key known bad;
+    ``_Ask`` when the database must say. Every check but one of a key cached as good is
+    counted as a failure (taken back if it succeeds); raises ``AuthThrottled`` when the
+    address is refused."""
     found = keys.get(raw)
-    if found is False:
-        found = db.call(authenticate_key, raw)
-        if found is not None:
-            keys.put(found)
+    if found:
+        return found
+    if keys.known(raw):  # a good key whose cached copy is over KEY_CACHE_S old
+        return _Ask(counted=False)
+    wait_s = failures.admit(address)
+    if wait_s is not None:
+        raise AuthThrottled(wait_s)
+    parts = split_key(raw.strip())
+    if found is None or parts is None or parts[0] in unknown_prefixes:
+        return None
+    return _Ask(counted=True)
+
+
+def _after_database(raw: str, address: str | None, ask: _Ask, found: Found) -> ApiKey | None:
+    if found.api_key is not None:
+        keys.put(found.api_key)
+        if ask.counted:
+            failures.succeeded(address)
+        return found.api_key
+    parts = split_key(raw.strip())
+    if parts is not None and not found.prefix_exists:
+        unknown_prefixes.add(parts[0])
+    if not ask.counted:  # a key found good before, revoked since: a failure all the same
+        failures.admit(address)
+    return None
+
+
+def lookup(raw: str, address: str | None = None) -> ApiKey | None:
+    """The usable key for a plaintext key; from sync code (DRF's request thread). Raises
+    ``AuthThrottled`` when ``address`` is refused."""
+    found = _before_database(raw, address)
+    if isinstance(found, _Ask):
+        return _after_database(raw, address, found, db.call(find_key, raw))
+    return found
+
+
+async def check_key(raw: str, address: str | None) -> ApiKey | None:
+    """``lookup`` for async code."""
+    found = _before_database(raw, address)
+    if isinstance(found, _Ask):
+        return _after_database(raw, address, found, await db.run(find_key, raw))
     return found
 
 
 async def key_for(raw: str) -> ApiKey | None:
-    """``lookup`` for async code (the websocket)."""
-    found = keys.get(raw)
-    if found is False:
-        found = await db.run(authenticate_key, raw)
-        if found is not None:
-            keys.put(found)
-    return found
+    """``check_key`` for the connection's client address (``client_address``); None when
+    the key is not usable or the address is throttled."""
+    try:
+        return await check_key(raw, client_address.get())
+    except AuthThrottled:
+        return None
+
+
+def _setting(name: str, default: float) -> float:
+    value = getattr(settings, name, None)
+    return default if value is None else value
 
 
 @receiver(post_save, sender=ApiKey)
 @receiver(post_delete, sender=ApiKey)
 def _forget_key(sender: type, instance: ApiKey, **kwargs: Any) -> None:
     keys.forget(prefix=instance.prefix)
+    unknown_prefixes.discard(instance.prefix)
 
 
 @receiver(post_save, sender=Tenant)
@@ -114,16 +314,17 @@ def _forget_tenant(sender: type, instance: Tenant, **kwargs: Any) -> None:
 class ApiKeyAuthentication(BaseAuthentication):
     """DRF authentication by API key: ``request.auth`` is the ``ApiKey``, ``request.user``
     an ``ApiKeyUser``. No header: None (the permission check answers 401 ``NO_KEY``); any
-    other header that is not a usable key: 401 ``BAD_KEY``. DRF calls ``authenticate`` on
-    the request's thread (adrf's async views too), which waits for the database thread
-    when the key is not cached."""
+    other header that is not a usable key: 401 ``BAD_KEY``; from a throttled address: 429
+    ``auth_throttled``. DRF calls ``authenticate`` on the request's thread (adrf's async
+    views too), which waits for the database thread when the key is not cached."""
 
     def authenticate(self, request: Request) -> tuple[ApiKeyUser, ApiKey] | None:
         header = request.headers.get("Authorization", "")
         if not header:
             return None
         token = bearer_token(header)
-        api_key = lookup(token) if token else None
+        address = request.META.get("REMOTE_ADDR")
+        api_key = lookup(token, address) if token else _known_bad(address)
         if api_key is None:
             raise exceptions.AuthenticationFailed(BAD_KEY, INVALID_API_KEY)
         return ApiKeyUser(api_key), api_key
@@ -132,18 +333,60 @@ class ApiKeyAuthentication(BaseAuthentication):
         return KEYWORD
 
 
+def _known_bad(address: str | None) -> None:
+    """A credential that is no key at all (``Authorization: Basic ...``): refused without a
+    query and counted as a failure, as a wrong key is."""
+    wait_s = failures.admit(address)
+    if wait_s is not None:
+        raise AuthThrottled(wait_s)
+
+
 class ApiKeyAuthMiddleware(BaseMiddleware):
     """Websocket scopes: ``scope["api_key"]`` is the key from an Authorization header
     (None without one: the client may send ``{"type": "auth"}`` first);
-    ``scope["auth_error"]`` is set when a header was sent but did not authenticate."""
+    ``scope["auth_error"]`` is set when a header was sent but did not authenticate (or the
+    address is throttled). The connection's client address is ``client_address`` for the
+    ``auth`` message's lookup."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
         scope = dict(scope, api_key=None, auth_error=None)
+        address = (scope.get("client") or [None])[0]
+        client_address.set(address)
         headers = dict(scope.get("headers") or [])
         raw = headers.get(b"authorization", b"").decode("latin1")
         if raw:
             token = bearer_token(raw)
-            scope["api_key"] = await key_for(token) if token else None
-            if scope["api_key"] is None:
-                scope["auth_error"] = BAD_KEY
+            try:
+                scope["api_key"] = (await check_key(token, address) if token
+                                    else _known_bad(address))
+            except AuthThrottled as refused:
+                scope["auth_error"] = str(refused.detail)
+            else:
+                if scope["api_key"] is None:
+                    scope["auth_error"] = BAD_KEY
         return await super().__call__(scope, receive, send)
+
+
+@csrf_exempt
+async def key_check(request: HttpRequest) -> HttpResponse:
+    """GET /internal/key-check: nginx's ``auth_request``, before it reads a request's body.
+    The key comes from ``Authorization: Bearer`` or ``X-Api-Key``. 204: a usable key; 401
+    with ``X-Refusal: invalid_api_key``: none, or not usable; 403 with ``X-Refusal:
+    auth_throttled`` and Retry-After: the address is throttled (auth_request passes only
+    2xx, 401 and 403 on; the proxy writes the API's error body from ``X-Refusal``)."""
+    address = request.META.get("REMOTE_ADDR")
+    header = request.headers.get("Authorization", "")
+    token = bearer_token(header) if header else request.headers.get(API_KEY_HEADER, "").strip()
+    try:
+        api_key = (await check_key(token, address) if token
+                   else _known_bad(address) if header else None)
+    except AuthThrottled as refused:
+        response = HttpResponse(status=403)
+        response["X-Refusal"] = AUTH_THROTTLED
+        response["Retry-After"] = str(refused.wait)
+        return response
+    if api_key is None:
+        response = HttpResponse(status=401)
+        response["X-Refusal"] = INVALID_API_KEY
+        return response
+    return HttpResponse(status=204)

@@ -1,7 +1,8 @@
 """What /v1/health and /v1/models report, from the daemons' published snapshots.
 
-Only counts and names: /v1/health needs no key, so it never shows request ids or cache
-scopes (tenants).
+/v1/health needs no key: to anyone it says only whether the service answers and which
+models are up (``public_health``); with an API key or a staff session it also lists each
+daemon's state (``health_report``: counts and names, never request ids or cache scopes).
 """
 
 import time
@@ -17,19 +18,42 @@ OWNER = "llm-inference"
 
 def health_report() -> dict[str, Any]:
     """A JSON-ready summary; answering at all means the web process is up."""
-    try:
-        daemons = broker.live_daemons_sync()
-        redis_status = "ok"
-    except redis.RedisError:
-        daemons, redis_status = [], "unavailable"
+    daemons, redis_status = _live_daemons()
     return {
         "status": "ok",
         "redis": redis_status,
         "scheduler": _scheduler_status(daemons),
         "model": settings.MODELS[0],
         "models": sorted({d.get("model", "") for d in daemons}),
+        "model_status": _model_status(daemons),
         "daemons": [_summary(d) for d in daemons],
     }
+
+
+def public_health() -> dict[str, Any]:
+    """What anyone may know: the service answers, and which models are up ("up": a live
+    daemon serves it and its loop is not stuck; "down": none does), ``MODELS`` and any
+    other model a daemon serves."""
+    daemons, _ = _live_daemons()
+    status = _model_status(daemons)
+    return {
+        "status": "ok",
+        "models": sorted(name for name, state in status.items() if state == "up"),
+        "model_status": status,
+    }
+
+
+def _live_daemons() -> tuple[list[dict[str, Any]], str]:
+    try:
+        return broker.live_daemons_sync(), "ok"
+    except redis.RedisError:
+        return [], "unavailable"
+
+
+def _model_status(daemons: list[dict[str, Any]]) -> dict[str, str]:
+    up = {d.get("model") for d in daemons if not _stuck(d)}
+    names = dict.fromkeys([*settings.MODELS, *sorted({d.get("model") or "" for d in daemons})])
+    return {name: "up" if name in up else "down" for name in names if name}
 
 
 def _scheduler_status(daemons: list[dict[str, Any]]) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from inference import broker, limits
 from wire import queue
+from wire.errors import error_body, type_of
 
 log = logging.getLogger(__name__)
 
@@ -246,25 +247,46 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
 REGISTRY.register(DaemonCollector())
 
 
-def allowed(request: HttpRequest) -> bool:
-    """Bearer METRICS_TOKEN when one is set; else a client address in METRICS_ALLOWED_NETS."""
+def refusal(request: HttpRequest) -> HttpResponse | None:
+    """Why /metrics is not for this request, in the API's error shape, or None. With
+    ``METRICS_TOKEN`` set: ``Authorization: Bearer <METRICS_TOKEN>``, else 401
+    ``invalid_api_key``. Without: a client address (``REMOTE_ADDR``, the real client's
+    behind the proxy: daphne's ``--proxy-headers``) in ``METRICS_ALLOWED_NETS``, else 403
+    ``permission_denied``."""
     token = settings.METRICS_TOKEN
     if token:
         keyword, _, sent = request.headers.get("Authorization", "").partition(" ")
-        return keyword.lower() == "bearer" and hmac.compare_digest(
-            sent.strip().encode(), token.encode()
-        )
+        if keyword.lower() == "bearer" and hmac.compare_digest(
+                sent.strip().encode(), token.encode()):
+            return None
+        response = _error(401, "invalid_api_key",
+                          "/metrics needs Authorization: Bearer <METRICS_TOKEN>.")
+        response["WWW-Authenticate"] = "Bearer"
+        return response
+    if _address_allowed(request.META.get("REMOTE_ADDR", "")):
+        return None
+    return _error(403, "permission_denied", "/metrics is not served to your address.")
+
+
+def _address_allowed(raw: str) -> bool:
     try:
-        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+        address = ipaddress.ip_address(raw)
     except ValueError:
         return False
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
     return any(
         address in ipaddress.ip_network(net, strict=False) for net in settings.METRICS_ALLOWED_NETS
     )
 
 
+def _error(status: int, code: str, message: str) -> JsonResponse:
+    return JsonResponse(error_body(message, type_of(status), code), status=status)
+
+
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """GET /metrics: the Prometheus text format."""
-    if not allowed(request):
-        return HttpResponse("metrics: not allowed\n", status=403, content_type="text/plain")
+    refused = refusal(request)
+    if refused is not None:
+        return refused
     return HttpResponse(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)

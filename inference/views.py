@@ -1,7 +1,11 @@
 from datetime import UTC, date, datetime, time, timedelta
+from importlib import import_module
 
+from django.conf import settings
+from django.contrib.auth import get_user
 from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate
+from django.http import HttpRequest
 from django.utils.dateparse import parse_datetime
 from django.views.generic import TemplateView
 from drf_spectacular.types import OpenApiTypes
@@ -19,8 +23,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.models import Tenant
-from inference import broker, limits
-from inference.health import health_report, model_list
+from inference import broker, db, limits
+from inference.auth import ApiKeyAuthentication
+from inference.health import health_report, model_list, public_health
 from inference.models import InferenceRequest
 from inference.openapi import error_responses
 from inference.serializers import InferenceRequestSerializer, UsageQuerySerializer, UsageSerializer
@@ -37,15 +42,32 @@ MODEL_LIST = inline_serializer("ModelList", {
 
 
 class HealthView(APIView):
-    """GET /v1/health: no key needed; always 200, with the daemons' state."""
+    """GET /v1/health: no key needed; always 200. Anyone learns which models are up; a
+    valid API key or a staff session also sees each daemon's state."""
 
-    authentication_classes = []
+    authentication_classes = [ApiKeyAuthentication]
     permission_classes = [permissions.AllowAny]
 
     @extend_schema(responses={200: OpenApiTypes.OBJECT}, auth=[],
                    summary="Service and daemon health")
     def get(self, request: Request) -> Response:
-        return Response(health_report())
+        if request.auth is not None or _staff_session(request):
+            return Response(health_report())
+        return Response(public_health())
+
+
+def _staff_session(request: Request) -> bool:
+    """Whether the request carries the session cookie of an active staff user (the API runs
+    no session middleware: the session is read here, on the database thread)."""
+    session_key = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+    return bool(session_key) and db.call(_is_staff_session, session_key)
+
+
+def _is_staff_session(session_key: str) -> bool:
+    holder = HttpRequest()
+    holder.session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    user = get_user(holder)
+    return user.is_active and user.is_staff
 
 
 class ModelListView(APIView):

@@ -104,6 +104,16 @@ def web_db_on_test_connection(settings):
 
 
 @pytest.fixture(autouse=True)
+def fresh_failed_auth_counts():
+    """In-process tests all come from 127.0.0.1: one test's wrong keys must not throttle the
+    next's (inference/auth.py counts failures per address, remembers unknown prefixes)."""
+    from inference import auth
+
+    auth.failures.clear()
+    auth.unknown_prefixes.clear()
+
+
+@pytest.fixture(autouse=True)
 def fresh_tenant_limits():
     """Drop per-tenant limit counters before each test: test databases reuse tenant ids
     (rolled-back transactions), so one test's counters would otherwise hit the next's tenant."""

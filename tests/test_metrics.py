@@ -119,14 +119,34 @@ def test_latency_histograms_and_refusals_move():
     )
 
 
-def test_outside_the_allowed_networks_is_403():
-    assert Client(REMOTE_ADDR="10.1.2.3").get(URL).status_code == 403
+def refused(reply, status: int, code: str) -> None:
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == (code, "invalid_request_error")
+
+
+@pytest.mark.parametrize("url", [URL, "/v1/metrics"])
+def test_outside_the_allowed_networks_is_403(url):
+    refused(Client(REMOTE_ADDR="10.1.2.3").get(url), 403, "permission_denied")
     with override_settings(METRICS_ALLOWED_NETS=["10.0.0.0/8"]):
-        assert Client(REMOTE_ADDR="10.1.2.3").get(URL).status_code == 200
+        assert Client(REMOTE_ADDR="10.1.2.3").get(url).status_code == 200
+        refused(Client().get(url), 403, "permission_denied")  # loopback is not on the list
+
+
+def test_the_allowed_networks_take_addresses_and_ipv4_mapped_ones():
+    with override_settings(METRICS_ALLOWED_NETS=["192.0.2.7", "2001:db8::/32"]):
+        for allowed in ("192.0.2.7", "::ffff:192.0.2.7", "2001:db8::1"):
+            assert Client(REMOTE_ADDR=allowed).get(URL).status_code == 200, allowed
+        for other in ("192.0.2.8", "2001:db9::1", "", "unix"):
+            refused(Client(REMOTE_ADDR=other).get(URL), 403, "permission_denied")
 
 
 @override_settings(METRICS_TOKEN="s3cret")
 def test_a_token_when_one_is_set_even_from_loopback():
-    assert Client().get(URL).status_code == 403
-    assert Client().get(URL, HTTP_AUTHORIZATION="Bearer wrong").status_code == 403
+    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer wrong"},
+                    {"HTTP_AUTHORIZATION": "Basic s3cret"}, {"HTTP_AUTHORIZATION": "s3cret"}):
+        reply = Client().get(URL, **headers)
+        refused(reply, 401, "invalid_api_key")
+        assert reply["WWW-Authenticate"] == "Bearer"
     scrape(HTTP_AUTHORIZATION="Bearer s3cret")
+    scrape(Client(REMOTE_ADDR="10.1.2.3"), HTTP_AUTHORIZATION="Bearer s3cret")  # any address

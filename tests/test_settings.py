@@ -192,3 +192,52 @@ def test_database_connections_are_kept_by_long_lived_threads_or_pooled():
         result = manage("shell", "-c", script, DEBUG="true", **env)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, env
+
+
+PRODUCTION = {"DEBUG": "false", "SECRET_KEY": "k3y-" + "x9Y" * 16, "ALLOWED_HOSTS": "example.com",
+              "REDIS_URL": TEST_REDIS_URL}
+
+
+def test_check_deploy_is_clean_in_production_settings():
+    result = manage("check", "--deploy", "--fail-level", "WARNING", **PRODUCTION)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "System check identified no issues" in result.stdout
+
+
+def test_djangos_deploy_checks_pass_with_the_sites_middleware():
+    """config/middleware.py runs SITE_MIDDLEWARE, so Django's own security checks (which
+    look in MIDDLEWARE, and are silenced there) run here with that list in its place."""
+    script = (
+        "from django.conf import settings; from django.core import checks; "
+        "from django.test.utils import override_settings\n"
+        "with override_settings(MIDDLEWARE=settings.SITE_MIDDLEWARE, SILENCED_SYSTEM_CHECKS="
+        "['security.W021']):\n"
+        "    issues = checks.run_checks(include_deployment_checks=True, "
+        "tags=[checks.Tags.security])\n"
+        "print('ISSUES', [i.id for i in issues if not i.is_silenced()])"
+    )
+    result = manage("shell", "-c", script, **PRODUCTION)
+    assert result.returncode == 0, result.stderr
+    assert "ISSUES []" in result.stdout.splitlines(), result.stdout
+
+
+def test_https_settings_are_on_in_production_and_each_can_be_turned_off():
+    script = ("import json; from django.conf import settings as s; print(json.dumps([s."
+              "SECURE_SSL_REDIRECT, s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, "
+              "s.SECURE_HSTS_SECONDS, s.SECURE_HSTS_INCLUDE_SUBDOMAINS, "
+              "s.SECURE_PROXY_SSL_HEADER, s.SESSION_COOKIE_HTTPONLY, s.SESSION_COOKIE_SAMESITE, "
+              "s.SECURE_CONTENT_TYPE_NOSNIFF, s.X_FRAME_OPTIONS]))")
+    fixed = [True, "Lax", True, "DENY"]
+    forwarded = ["HTTP_X_FORWARDED_PROTO", "https"]
+    cases = (
+        (PRODUCTION, [True, True, True, 31_536_000, True, forwarded, *fixed]),
+        ({**PRODUCTION, "HTTPS_ONLY": "false"}, [False, False, False, 0, True, forwarded, *fixed]),
+        ({**PRODUCTION, "SECURE_SSL_REDIRECT": "false", "SECURE_HSTS_SECONDS": "60",
+          "SECURE_HSTS_INCLUDE_SUBDOMAINS": "false", "TRUST_FORWARDED_PROTO": "false"},
+         [False, True, True, 60, False, None, *fixed]),
+        ({"DEBUG": "true"}, [False, False, False, 0, True, forwarded, *fixed]),
+    )
+    for env, expected in cases:
+        result = manage("shell", "-c", script, **env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, env
