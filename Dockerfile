@@ -1,13 +1,14 @@
-# One image for web (daphne) and the scheduler daemon.
+# One image for the proxy (nginx), web (daphne) and the scheduler daemon.
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# llama-cpp-python compiles llama.cpp from source.
+# llama-cpp-python compiles llama.cpp from source; nginx-light is the door (the proxy
+# service, config/proxy.py).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential cmake \
+    && apt-get install -y --no-install-recommends build-essential cmake nginx-light \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -17,3 +17,10 @@ def daphne_endpoint(host: str, port: int | str, backlog: int = LISTEN_BACKLOG) -
     """The ``daphne -e`` endpoint string for ``host``:``port`` (IPv6 colons escaped)."""
     interface = host.strip("[]").replace(":", r"\:")
     return f"tcp:port={int(port)}:interface={interface}:backlog={int(backlog)}"
+
+
+def daphne_unix_endpoint(path: str, backlog: int = LISTEN_BACKLOG) -> str:
+    """The ``daphne -e`` endpoint string for a unix socket at ``path`` that only this user
+    can connect to (the door, nginx, runs as the same user: config/proxy.py)."""
+    escaped = str(path).replace(":", r"\:")
+    return f"unix:{escaped}:mode=600:backlog={int(backlog)}:lockfile=0"

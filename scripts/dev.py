@@ -3,7 +3,8 @@ only, until install_deps() has installed the requirements (redis, psycopg).
 
 Run by the project's virtualenv python (the Makefile creates .venv first):
     setup        install dependencies, assemble the model, check Redis, migrate, seed the demo
-    run          setup, then start Redis (if none answers), the scheduler daemon and daphne
+    run          setup, then start Redis (if none answers), the scheduler daemons, daphne
+                 and the door in front of it (nginx: config/proxy.py)
     test         setup, then pytest against Redis database 15 (TEST_REDIS_URL): the whole
                  suite on SQLite, then the database tests (-m database) on PostgreSQL
                  (TEST_POSTGRES_URL) when one answers
@@ -20,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +30,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from config.listen import daphne_endpoint  # noqa: E402
+from config import proxy  # noqa: E402
+from config.listen import daphne_endpoint, daphne_unix_endpoint  # noqa: E402
 from config.models import CATALOG, DEFAULT_MODELS, GEMMA, GEMMA_FILE, SMOLLM2_PIN  # noqa: E402
 
 PY = sys.executable
@@ -456,6 +459,28 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
+def ensure_nginx() -> None:
+    """Debian's nginx-light: the door in front of daphne (config/proxy.py). Its package's
+    own service (the default site on port 80) is kept from starting by a policy-rc.d that
+    refuses every start while apt-get runs."""
+    if proxy.nginx_binary():
+        return
+    if _is_root() and shutil.which("apt-get"):
+        say("nginx is missing (the door in front of daphne): installing Debian's nginx-light "
+            "with apt-get (its default site is not started) ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            policy = Path(tmp) / "policy-rc.d"
+            policy.write_text("#!/bin/sh\nexit 101\n")
+            policy.chmod(0o755)
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "POLICYRCD": str(policy)}
+            subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+            subprocess.run(["apt-get", "install", "-y", "-q", "nginx-light"], check=True, env=env)
+        return
+    fail("nginx is missing and cannot be installed here (needs root and apt-get). Install it "
+         "with: sudo apt-get install nginx-light (or run `PROXY=off make run`: daphne alone, "
+         "without the door's limits, for a laptop only; docs/security.md)")
+
+
 CHROMIUM = Path("/usr/bin/chromium")
 
 
@@ -532,6 +557,8 @@ def setup(redis_url: str, start_redis: bool) -> tuple[subprocess.Popen | None, s
     install_deps()
     ensure_models()
     redis_proc = ensure_redis(redis_url, start_redis)
+    if proxy_on():
+        ensure_nginx()
     say("Applying migrations ...")
     manage("migrate", "--noinput", "-v", "0")
     return redis_proc, seed_demo()
@@ -546,6 +573,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     host, port = os.environ.get("HOST", "127.0.0.1"), os.environ.get("PORT", "8000")
     procs: list[tuple[str, subprocess.Popen]] = []
     redis_proc = None
+    door = Path(tempfile.mkdtemp(prefix="llm-door-"))
     try:
         redis_proc, demo_key = setup(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), True)
         models = served_models()
@@ -555,10 +583,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 env.pop("MODEL_PATH", None)  # its catalog file (MODEL_PATH is Gemma's)
             procs.append(start(f"scheduler ({name})",
                                [PY, "manage.py", "run_scheduler", "--supervise"], env))
-        # its own listen backlog: Twisted's default of 50 drops a burst's connections
-        daphne = [PY, "-m", "daphne", "-e", daphne_endpoint(host, port),
-                  "config.asgi:application"]
-        procs.append(start("daphne", daphne))
+        procs += serve_web(host, port, door)
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         wait_healthy(f"{base}/v1/health", procs, models)
         say(f"Ready. API base: {base}/v1")
@@ -577,6 +602,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop(list(reversed(procs)) + ([("redis", redis_proc)] if redis_proc else []))
+        shutil.rmtree(door, ignore_errors=True)
+
+
+def proxy_on() -> bool:
+    """The door is on unless ``PROXY=off`` (a laptop without nginx)."""
+    return os.environ.get("PROXY", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def serve_web(host: str, port: str, door: Path) -> list[tuple[str, subprocess.Popen]]:
+    """daphne, and the door in front of it on ``host``:``port`` (daphne on a unix socket in
+    ``door``, which only this user reaches); daphne alone there when ``PROXY=off``."""
+    if not proxy_on():
+        say("PROXY=off: daphne serves clients directly, without the door's limits on bodies, "
+            "slow clients and keys (docs/security.md)")
+        # its own listen backlog: Twisted's default of 50 drops a burst's connections
+        return [start("daphne", [PY, "-m", "daphne", "-e", daphne_endpoint(host, port),
+                                 "config.asgi:application"])]
+    socket = door / "web.sock"
+    daphne = start("daphne", [PY, "-m", "daphne", "--proxy-headers",
+                              "-e", daphne_unix_endpoint(str(socket)), "config.asgi:application"])
+    listen = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+    cfg = proxy.ProxyConfig.from_env(listen, f"unix:{socket}", door)
+    proxy.write(cfg)
+    return [daphne, start("the door (nginx)", proxy.nginx_argv(cfg))]
 
 
 def cmd_test(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """A real web server (daphne subprocess) and daemons for the API and websocket tests.
 
-- ``web_server()``: daphne on a free port, its own migrated database (``OwnDatabase``: on
-  the engine the tests run on), tenants alpha (owner and member keys) and beta (outsider
-  key). One per test session (module-level singleton: several test modules share it),
+- ``web_server()``: the door (nginx, config/proxy.py) on a free port in front of daphne on
+  a unix socket, as ``make run`` serves them; its own migrated database (``OwnDatabase``:
+  on the engine the tests run on), tenants alpha (owner and member keys) and beta
+  (outsider key). One per test session (module-level singleton: several test modules share it),
   stopped at exit.
 - ``StandIn``: a pretend daemon inside the test process that heartbeats like a real one
   and answers jobs by writing protocol events itself. It tests the web's handling of the
@@ -37,7 +38,8 @@ from urllib.parse import quote, urlencode
 import redis
 from django.conf import settings
 
-from config.listen import daphne_endpoint
+from config import proxy
+from config.listen import daphne_unix_endpoint
 from config.models import CATALOG, SMOLLM2, SMOLLM2_PIN
 from wire import protocol, queue
 
@@ -170,8 +172,10 @@ class WebServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws/v1/stream"
+        self.socket = self.tmp / "web.sock"  # daphne's; only the door connects to it
         self.keys: dict[str, Any] = {}
         self.proc: subprocess.Popen | None = None
+        self.door: subprocess.Popen | None = None
 
     def start(self) -> WebServer:
         manage = [sys.executable, "manage.py"]
@@ -182,36 +186,55 @@ class WebServer:
         log = (self.tmp / "daphne.log").open("ab")
         self.proc = subprocess.Popen(self.daphne_argv(), cwd=ROOT, env=self.env, stdout=log,
                                      stderr=subprocess.STDOUT)
+        self.door = subprocess.Popen(self.door_argv(), cwd=ROOT, env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
                 with urllib.request.urlopen(f"{self.base_url}/v1/health", timeout=2):
                     return self
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if (self.proc.poll() is not None or self.door.poll() is not None
+                        or time.monotonic() > deadline):
                     raise RuntimeError(f"daphne did not start:\n{self.log_tail()}") from None
                 time.sleep(0.2)
 
     def daphne_argv(self) -> list[str]:
-        """daphne on this server's port, listening as ``make run`` starts it."""
-        return [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", self.port),
-                "config.asgi:application"]
+        """daphne on this server's unix socket, behind the door, as ``make run`` starts it."""
+        return [sys.executable, "-m", "daphne", "--proxy-headers",
+                "-e", daphne_unix_endpoint(str(self.socket)), "config.asgi:application"]
+
+    @property
+    def door_config(self) -> proxy.ProxyConfig:
+        """The door's configuration: ``make run``'s, from this server's environment."""
+        return proxy.ProxyConfig.from_env(f"127.0.0.1:{self.port}", f"unix:{self.socket}",
+                                          self.tmp / "door", self.env)
+
+    def door_argv(self) -> list[str]:
+        """nginx on this server's port (its configuration written first)."""
+        cfg = self.door_config
+        proxy.write(cfg)
+        return proxy.nginx_argv(cfg)
 
     def stop(self) -> None:
-        """Stop daphne and remove its files (database, logs)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stop the door and daphne and remove their files (database, logs)."""
+        for proc in (self.door, self.proc):
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self.database.drop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
-        path = self.tmp / "daphne.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = ""
+        for path in (self.tmp / "daphne.log", self.door_config.error_log):
+            if path.exists():
+                text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+        return text
 
     # -- plain HTTP (http.client: streams SSE line by line) --------------------------------
 

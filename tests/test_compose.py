@@ -49,10 +49,43 @@ def test_the_four_services_exist(services):
     assert {"redis", "postgres", "web", "scheduler"} <= services.keys()
 
 
+def proxy_env_names() -> set[str]:
+    """Names config/proxy.py reads (``_env_int(env, "NAME", ...)``, ``env.get("NAME"``)."""
+    tree = ast.parse((BASE_DIR / "config" / "proxy.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "_env_int":
+            names.add(node.args[1].value)
+        elif isinstance(func, ast.Attribute) and func.attr == "get" and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names.add(node.args[0].value)
+    return names
+
+
 def test_web_runs_daphne_on_the_asgi_app(services):
     cmd = command(services["web"])
     assert "daphne" in cmd
     assert "config.asgi:application" in cmd
+
+
+def test_only_the_door_is_published(services):
+    """Clients reach nginx (config/proxy.py), which reaches daphne on the compose network:
+    daphne publishes no port, takes the client's address from the proxy's header, and
+    the proxy forwards to it."""
+    web, door = services["web"], services["proxy"]
+    assert "ports" not in web
+    assert "--proxy-headers" in web["command"]
+    args = door["command"]
+    assert args[:3] == ["python", "-m", "config.proxy"]
+    assert args[args.index("--upstream") + 1] == "web:8000"
+    listen_port = args[args.index("--listen") + 1].rsplit(":", 1)[1]
+    assert door["ports"] == [f"${{PORT:-8000}}:{listen_port}"]
+    unknown = environment(door).keys() - proxy_env_names()
+    assert not unknown, f"the proxy sets variables config/proxy.py never reads: {unknown}"
+    assert {"DATA_UPLOAD_MAX_MEMORY_SIZE", "PROXY_HEADER_TIMEOUT_S"} <= environment(door).keys()
 
 
 def test_web_listens_with_the_backlog_make_run_uses(services):
@@ -70,8 +103,8 @@ def test_app_services_use_only_variables_settings_reads(services):
     known = settings_env_names()
     assert REQUIRED <= known
     for name, service in services.items():
-        if "build" not in service:  # third-party images (redis, postgres) have their own
-            continue
+        if "build" not in service or name == "proxy":  # third-party images have their own;
+            continue  # the proxy's: test_only_the_door_is_published
         unknown = environment(service).keys() - known
         assert not unknown, f"{name} sets variables settings.py never reads: {unknown}"
 

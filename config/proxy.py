@@ -1,0 +1,378 @@
+"""The door: nginx in front of daphne, with its limits (standard library only, like
+``config.listen``: ``scripts/dev.py`` and compose's proxy service run it before Django).
+
+Every byte a client sends reaches nginx first. daphne reads a whole request body (into a
+temporary file, chunked or not, without a limit) before Django sees the request, and it
+has no deadline for a request's head; nginx has both, and ``auth_request``:
+
+- a request to the API (``/v1/`` but health, the schema and the docs) is first checked by a
+  body-less subrequest to ``/internal/key-check`` (``inference/views.py``'s key check): a
+  missing, unknown or throttled key is refused before one byte of the body is read (a
+  client that sent ``Expect: 100-continue`` never sends it);
+- no body is read past ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (Django's own limit, the same
+  number), with or without a key, chunked or not;
+- a request head must arrive within ``PROXY_HEADER_TIMEOUT_S``; a body that stops arriving
+  is cut after ``PROXY_BODY_TIMEOUT_S``; an idle keep-alive connection is closed after
+  ``PROXY_KEEPALIVE_S``; a client that reads nothing for ``PROXY_SEND_TIMEOUT_S`` is cut;
+- one address has at most ``PROXY_CONNS_PER_ADDRESS`` requests in progress at once;
+- nginx's own refusals are answered in the API's error shape, from ``wire/errors.py``.
+
+daphne then listens where only nginx reaches it (a unix socket in ``make run`` and the
+tests, the compose network in compose) and takes the client's address from nginx's
+``X-Forwarded-For`` (``--proxy-headers``), which nginx sets, never appends to.
+
+``python -m config.proxy --listen HOST:PORT --upstream ADDRESS`` writes the configuration
+and runs nginx in the foreground (compose's proxy service).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script by compose
+    sys.path.insert(0, str(ROOT))
+
+from wire import errors  # noqa: E402  (wire/errors.py: standard library only)
+
+# Defaults of the settings of the same names (docs/security.md).
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2_621_440  # bytes of one request body (Django's and nginx's)
+PROXY_HEADER_TIMEOUT_S = 10  # a request head must arrive whole within this
+PROXY_BODY_TIMEOUT_S = 10  # the longest pause between two reads of a body
+PROXY_KEEPALIVE_S = 30  # an idle keep-alive connection is closed after this
+PROXY_SEND_TIMEOUT_S = 60  # the longest pause of a client that does not read its answer
+PROXY_CONNS_PER_ADDRESS = 256  # requests in progress at once from one client address
+PROXY_WORKERS = 1  # nginx worker processes (one holds thousands of connections)
+# A refused request's body still arriving is read and dropped (never stored) this long at
+# most, so that the client sees the answer rather than a reset.
+LINGERING_S = 5
+# How long a stream may go without a byte from daphne (streams send keep-alive comments).
+STREAM_READ_TIMEOUT_S = 3600
+WORKER_CONNECTIONS = 8192
+NGINX_PATHS = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
+
+# API paths a client reaches without a key (exact paths, under /v1/).
+ANONYMOUS_API = ("health", "openapi.json", "docs", "metrics")
+KEY_CHECK_PATH = "/internal/key-check"
+
+
+def _env_int(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise SystemExit(f"{name}={raw!r} must be at least 1")
+    return value
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Where nginx listens, where daphne is, and the door's limits."""
+
+    listen: str  # "127.0.0.1:8000", "0.0.0.0:8000", "[::1]:8000"
+    upstream: str  # "unix:/path/web.sock" or "host:port"
+    workdir: Path  # nginx's pid, logs and temporary bodies
+    max_body_bytes: int = DATA_UPLOAD_MAX_MEMORY_SIZE
+    header_timeout_s: int = PROXY_HEADER_TIMEOUT_S
+    body_timeout_s: int = PROXY_BODY_TIMEOUT_S
+    keepalive_s: int = PROXY_KEEPALIVE_S
+    send_timeout_s: int = PROXY_SEND_TIMEOUT_S
+    conns_per_address: int = PROXY_CONNS_PER_ADDRESS
+    workers: int = PROXY_WORKERS
+    # addresses of proxies in front of this one whose X-Forwarded-For is believed
+    trusted: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_env(cls, listen: str, upstream: str, workdir: Path,
+                 env: dict[str, str] | None = None) -> ProxyConfig:
+        env = dict(os.environ if env is None else env)
+        trusted = tuple(a.strip() for a in env.get("PROXY_TRUSTED_ADDRESSES", "").split(",")
+                        if a.strip())
+        return cls(
+            listen=listen, upstream=upstream, workdir=Path(workdir),
+            max_body_bytes=_env_int(env, "DATA_UPLOAD_MAX_MEMORY_SIZE",
+                                    DATA_UPLOAD_MAX_MEMORY_SIZE),
+            header_timeout_s=_env_int(env, "PROXY_HEADER_TIMEOUT_S", PROXY_HEADER_TIMEOUT_S),
+            body_timeout_s=_env_int(env, "PROXY_BODY_TIMEOUT_S", PROXY_BODY_TIMEOUT_S),
+            keepalive_s=_env_int(env, "PROXY_KEEPALIVE_S", PROXY_KEEPALIVE_S),
+            send_timeout_s=_env_int(env, "PROXY_SEND_TIMEOUT_S", PROXY_SEND_TIMEOUT_S),
+            conns_per_address=_env_int(env, "PROXY_CONNS_PER_ADDRESS",
+                                       PROXY_CONNS_PER_ADDRESS),
+            workers=_env_int(env, "PROXY_WORKERS", PROXY_WORKERS),
+            trusted=trusted,
+        )
+
+    @property
+    def conf_path(self) -> Path:
+        return self.workdir / "nginx.conf"
+
+    @property
+    def error_log(self) -> Path:
+        return self.workdir / "error.log"
+
+
+def _quoted(text: str) -> str:
+    """``text`` as an nginx double-quoted string (no variable in it)."""
+    if "$" in text:
+        raise ValueError(f"a '$' would be an nginx variable: {text!r}")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _error(code: str, message: str) -> tuple[int, str]:
+    """(status, nginx string of the JSON body) of one refusal in the API's error shape."""
+    if code not in errors.CODES:
+        raise KeyError(f"{code} is not in wire/errors.py's table")
+    status = errors.status_of(code)
+    body = json.dumps(errors.error_body(message, errors.type_of(status), code),
+                      separators=(",", ":"))
+    return status, _quoted(body)
+
+
+def _refusal(code: str, message: str, indent: str = "        ") -> str:
+    status, body = _error(code, message)
+    return f"{indent}return {status} {body};"
+
+
+# nginx's own refusals, each a named location answering in the API's shape.
+NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
+BAD_KEY = "Incorrect API key provided."
+REFUSALS = {
+    "too_large": ("request_too_large", "The request body is larger than this server "
+                  "accepts ({limit} bytes)."),
+    "timeout": ("request_timeout", "The request's head or body stopped arriving; the "
+                "connection is closed."),
+    "too_many": ("too_many_connections", "Too many requests in progress from this address "
+                 "at once; wait for some to finish."),
+    "unavailable": ("service_unavailable", "The web server is not answering; try again "
+                    "shortly."),
+}
+
+
+def _named_locations(cfg: ProxyConfig) -> str:
+    blocks = []
+    for name, (code, message) in REFUSALS.items():
+        text = message.format(limit=cfg.max_body_bytes)
+        retry = '        add_header Retry-After 1 always;\n' if name in ("too_many",
+                                                                         "unavailable") else ""
+        blocks.append(f"    location @{name} {{\n        default_type application/json;\n"
+                      f"{retry}{_refusal(code, text)}\n    }}\n")
+    throttled_status, throttled = _error("auth_throttled", "Too many failed authentications "
+                                         "from this address; try again later.")
+    blocks.append(
+        "    # the key check refused: 401 (no usable key) or 403 (this address is throttled)\n"
+        "    location @key_refused {\n"
+        "        default_type application/json;\n"
+        "        if ($key_refusal = auth_throttled) {\n"
+        "            add_header Retry-After $key_retry_after always;\n"
+        f"            return {throttled_status} {throttled};\n"
+        "        }\n"
+        "        if ($presented_key = \"\") {\n"
+        f"{_refusal('invalid_api_key', NO_KEY, ' ' * 12)}\n"
+        "        }\n"
+        f"{_refusal('invalid_api_key', BAD_KEY)}\n"
+        "    }\n")
+    return "".join(blocks)
+
+
+# Request headers daphne gets (a location that sets any proxy_set_header of its own loses
+# the server's, so the key check repeats these).
+FORWARDED = "".join(f"        proxy_set_header {line};\n" for line in (
+    "Host $http_host",
+    "X-Forwarded-For $remote_addr",
+    "X-Forwarded-Proto $scheme",
+    "X-Forwarded-Port $server_port",
+    'Daphne-Root-Path ""',
+))
+# nginx's own refusals in the API's shape (repeated where a location adds error pages).
+ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
+    "413 = @too_large",
+    "408 = @timeout",
+    "429 = @too_many",
+    "502 504 = @unavailable",
+))
+
+
+def _indent(block: str) -> str:
+    return "".join(f"    {line}\n" for line in block.splitlines())
+
+
+def _proxied(stream: bool) -> str:
+    """The directives of a location that passes requests on to daphne."""
+    lines = [
+        "proxy_pass http://web;",
+        "proxy_http_version 1.1;",
+        # a response (SSE above all) goes out as daphne writes it
+        "proxy_buffering off;",
+        "proxy_cache off;",
+        f"proxy_read_timeout {STREAM_READ_TIMEOUT_S if stream else 300}s;",
+    ]
+    return "".join(f"        {line}\n" for line in lines)
+
+
+def render(cfg: ProxyConfig) -> str:
+    """nginx.conf for ``cfg``."""
+    work = cfg.workdir
+    upstream = cfg.upstream
+    if not upstream.startswith("unix:") and ":" not in upstream:
+        raise ValueError(f"upstream {upstream!r}: use unix:/path or host:port")
+    anonymous = "|".join(p.replace(".", r"\.") for p in ANONYMOUS_API)
+    real_ip = "".join(f"    set_real_ip_from {a};\n" for a in cfg.trusted)
+    if real_ip:
+        real_ip += "    real_ip_header X-Forwarded-For;\n    real_ip_recursive on;\n"
+    # Started by root, nginx runs its workers as nobody, who could not open daphne's socket
+    # (mode 600): they run as the user who runs daphne, as they do when nginx is not root.
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
+    return f"""# Written by config/proxy.py; edit the settings (docs/security.md), not this file.
+{user}worker_processes {cfg.workers};
+pid {work / 'nginx.pid'};
+error_log {cfg.error_log} warn;
+events {{
+    worker_connections {WORKER_CONNECTIONS};
+}}
+http {{
+    access_log off;
+    server_tokens off;
+    default_type application/octet-stream;
+    client_body_temp_path {work / 'body'};
+    proxy_temp_path {work / 'proxy'};
+    fastcgi_temp_path {work / 'fastcgi'};
+    uwsgi_temp_path {work / 'uwsgi'};
+    scgi_temp_path {work / 'scgi'};
+
+    # bodies: never past the limit, and only once the key is good (auth_request below)
+    client_max_body_size {cfg.max_body_bytes};
+    client_body_buffer_size 64k;
+    # slow clients
+    client_header_timeout {cfg.header_timeout_s}s;
+    client_body_timeout {cfg.body_timeout_s}s;
+    keepalive_timeout {cfg.keepalive_s}s;
+    send_timeout {cfg.send_timeout_s}s;
+    lingering_time {LINGERING_S}s;
+    lingering_timeout {LINGERING_S}s;
+    reset_timedout_connection on;
+    client_header_buffer_size 4k;
+    large_client_header_buffers 4 16k;
+    # requests in progress per client address
+    limit_conn_zone $binary_remote_addr zone=per_address:10m;
+    limit_conn per_address {cfg.conns_per_address};
+    limit_conn_status 429;
+    limit_conn_log_level warn;
+{real_ip}
+    map $http_upgrade $connection_upgrade {{
+        default upgrade;
+        "" "";
+    }}
+    # what the key check looked at (an API key in either header)
+    map $http_authorization$http_x_api_key $presented_key {{
+        default $http_authorization$http_x_api_key;
+    }}
+
+    upstream web {{
+        server {upstream};
+        keepalive 64;
+    }}
+
+    server {{
+        listen {cfg.listen} backlog=1024;
+        # what daphne hears about the client: set here, never appended to
+{FORWARDED}        proxy_set_header Connection $connection_upgrade;
+        proxy_set_header Upgrade $http_upgrade;
+{ERROR_PAGES}
+        # the key check: headers only, answered by Django (204, 401 or 403)
+        location = /_key_check {{
+            internal;
+            proxy_pass http://web{KEY_CHECK_PATH};
+            proxy_http_version 1.1;
+            proxy_pass_request_body off;
+{_indent(FORWARDED)}            proxy_set_header Content-Length "";
+            proxy_set_header Transfer-Encoding "";
+            proxy_set_header Expect "";
+            proxy_set_header Connection "";
+            proxy_set_header Upgrade "";
+            proxy_set_header X-Original-Method $request_method;
+            proxy_set_header X-Original-URI $request_uri;
+        }}
+        # never reached from outside
+        location /internal/ {{
+            default_type application/json;
+{_refusal("not_found", "Not found.", " " * 12)}
+        }}
+        # the API without a key: health, the schema, the docs, metrics (its own check)
+        location ~ ^/v1/({anonymous})$ {{
+{_proxied(False)}        }}
+        location = /metrics {{
+{_proxied(False)}        }}
+        # the API: the key first, then the body
+        location /v1/ {{
+            auth_request /_key_check;
+            auth_request_set $key_refusal $upstream_http_x_refusal;
+            auth_request_set $key_retry_after $upstream_http_retry_after;
+            # (error_page here replaces the server's: all of them again)
+{_indent(ERROR_PAGES)}            error_page 401 403 = @key_refused;
+{_proxied(True)}        }}
+        # websockets: the key is checked by the consumer (header or first message)
+        location /ws/ {{
+{_proxied(True)}        }}
+        # the site: admin, playground, static files
+        location / {{
+{_proxied(False)}        }}
+{_named_locations(cfg)}    }}
+}}
+"""
+
+
+def write(cfg: ProxyConfig) -> Path:
+    """Write nginx.conf (and nginx's directories) under ``cfg.workdir``; its path."""
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (cfg.workdir / sub).mkdir(mode=0o700, exist_ok=True)
+    cfg.conf_path.write_text(render(cfg))
+    return cfg.conf_path
+
+
+def nginx_binary() -> str | None:
+    """nginx's path (Debian puts it in /usr/sbin, off a plain user's PATH), or None."""
+    found = shutil.which("nginx")
+    if found:
+        return found
+    return next((p for p in NGINX_PATHS if os.access(p, os.X_OK)), None)
+
+
+def nginx_argv(cfg: ProxyConfig) -> list[str]:
+    """nginx in the foreground on ``cfg``'s configuration (call ``write`` first)."""
+    binary = nginx_binary()
+    if binary is None:
+        raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light)")
+    return [binary, "-p", str(cfg.workdir), "-e", str(cfg.error_log), "-c", str(cfg.conf_path),
+            "-g", "daemon off;"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write the door's nginx.conf and run nginx.")
+    parser.add_argument("--listen", default="0.0.0.0:8000")
+    parser.add_argument("--upstream", default="web:8000")
+    parser.add_argument("--workdir", default="/tmp/llm-proxy")
+    parser.add_argument("--print", action="store_true", help="print the configuration only")
+    args = parser.parse_args(argv)
+    cfg = ProxyConfig.from_env(args.listen, args.upstream, Path(args.workdir))
+    if args.print:
+        print(render(cfg), end="")
+        return
+    write(cfg)
+    command = nginx_argv(cfg)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
