@@ -295,7 +295,10 @@ def test_explicit_cancel_by_the_owner(web, standin):
 
 
 def test_health_and_models_show_live_daemons(web, standin):
-    health = web.request("GET", "/v1/health").json()
+    public = web.request("GET", "/v1/health").json()  # anyone: which models are up
+    assert public["status"] == "ok" and public["model_status"][standin.model] == "up"
+    assert standin.daemon_id not in json.dumps(public) and "daemons" not in public
+    health = web.request("GET", "/v1/health", key=web.keys["member"]).json()
     assert health["status"] == "ok" and health["scheduler"] == "ok"
     mine = next(d for d in health["daemons"] if d["daemon_id"] == standin.daemon_id)
     assert mine["slots_total"] == 1 and mine["queue_depth"] == 0

@@ -314,29 +314,38 @@ def test_key_check_needs_no_csrf_token_and_sets_no_cookie(parties):
 # -- /v1/health ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def daemon(redis_client):
+def publish(redis_client, model: str, stuck: bool = False) -> str:
     """A live daemon's snapshot whose id names its host and process, as real ones do."""
     daemon_id, now = f"gpu-host-7.internal:{secrets.randbelow(10**6)}", time.time()
-    snapshot = {"daemon_id": daemon_id, "model": "door-model", "heartbeat_at": now,
+    snapshot = {"daemon_id": daemon_id, "model": model, "heartbeat_at": now,
                 "started_at": now - 5, "restarts": 1, "last_exit": "killed by signal 9",
-                "loop": {"stuck": False}, "slots": [{"state": "idle"}],
+                "loop": {"stuck": stuck}, "slots": [{"state": "idle"}],
                 "queue": [{"request_id": "r"}]}
     redis_client.set(protocol.daemon_key(daemon_id), json.dumps(snapshot), ex=30)
     redis_client.zadd(protocol.DAEMONS_ZSET, {daemon_id: now})
-    yield daemon_id
-    redis_client.delete(protocol.daemon_key(daemon_id))
-    redis_client.zrem(protocol.DAEMONS_ZSET, daemon_id)
+    return daemon_id
+
+
+@pytest.fixture
+def daemon(redis_client):
+    daemon_ids = [publish(redis_client, "door-model"), publish(redis_client, "door-stuck", True)]
+    yield daemon_ids[0]
+    for daemon_id in daemon_ids:
+        redis_client.delete(protocol.daemon_key(daemon_id))
+        redis_client.zrem(protocol.DAEMONS_ZSET, daemon_id)
 
 
 def test_anonymous_health_says_only_which_models_are_up(db, daemon, settings):
     settings.MODELS = ["door-model", "door-absent"]
     reply = Client().get("/v1/health")
     assert reply.status_code == 200
-    body = reply.json()
-    assert body == {"status": "ok", "models": ["door-model"],
-                    "model_status": {"door-model": "up", "door-absent": "down"}}
-    assert daemon not in reply.content.decode() and "gpu-host" not in reply.content.decode()
+    body = reply.json()  # (other live daemons of the test Redis may be listed too)
+    assert set(body) == {"status", "models", "model_status"} and body["status"] == "ok"
+    assert "door-model" in body["models"] and "door-stuck" not in body["models"]
+    assert list(body["model_status"])[:2] == ["door-model", "door-absent"]  # MODELS first
+    assert {name: body["model_status"][name] for name in ("door-model", "door-absent",
+            "door-stuck")} == {"door-model": "up", "door-absent": "down", "door-stuck": "down"}
+    assert "gpu-host" not in reply.content.decode()
 
 
 def test_a_key_or_a_staff_session_sees_the_daemons(parties, daemon, settings):
@@ -344,7 +353,8 @@ def test_a_key_or_a_staff_session_sees_the_daemons(parties, daemon, settings):
     keyed = Client().get("/v1/health", **bearer(parties.member)).json()
     listed = next(d for d in keyed["daemons"] if d["daemon_id"] == daemon)
     assert listed["queue_depth"] == 1 and listed["restarts"] == 1
-    assert keyed["model_status"] == {"door-model": "up"}
+    assert (keyed["model_status"]["door-model"], keyed["model_status"]["door-stuck"]) == (
+        "up", "down")
     staff = Client()
     staff.force_login(User.objects.create_user("ops", is_staff=True))
     assert daemon in json.dumps(staff.get("/v1/health").json()["daemons"])
