@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from config.env import env_float
 from inference.errors import ApiError
 from inference.stream_reader import Follower, StreamReader
-from wire import affinity, ownership, protocol, queue
+from wire import affinity, errors, ownership, protocol, queue
 from wire.backoff import Backoff
 
 T = TypeVar("T")
@@ -35,12 +35,18 @@ SOCKET_TIMEOUT_S = 10.0  # above any XREAD BLOCK we issue
 # reader of a request's stream (a streamed or waited-for request, an SSE or websocket
 # resume) is a follower of the process's one stream reader (inference/stream_reader.py):
 # one connection of its own, one XREAD BLOCK over every followed stream. Everything else
-# holds a pooled connection for a round trip. New requests and resumes are refused with
-# 503 ``service_unavailable`` once ``max_readers`` readers are open, and a short command
-# that waits over ``pool_timeout_s`` for a connection is a 503 too, never a 500.
+# holds a pooled connection for a round trip. Each reader holds a place in the process
+# (``take_place``) from before it is admitted to its end: past its tenant's share of the
+# places, or past the readers one request may have, it is refused with 429
+# ``too_many_streams``; past ``max_readers`` with 503 ``service_unavailable``. A short
+# command that waits over ``pool_timeout_s`` for a connection is a 503 too, never a 500.
 # Defaults of the settings of the same names:
 WEB_REDIS_MAX_CONNECTIONS = 128  # the async pool's size (redis-py's default: 100)
 WEB_MAX_STREAMS = 512  # readers open at once per process; past it: 503
+# WEB_TENANT_STREAMS: one tenant's readers in a process; unset (or 0): this share of
+# WEB_MAX_STREAMS, so that three tenants at their share leave room for a fourth
+TENANT_STREAMS_SHARE = 4
+WEB_READERS_PER_REQUEST = 4  # readers of one request at once: its stream and a few resumes
 WEB_REDIS_POOL_TIMEOUT_S = 5.0  # how long a command waits for a free connection
 POOL_RETRY_S = 0.01  # how often a command waiting for a connection looks again
 BUSY_RETRY_AFTER_S = 1
@@ -81,14 +87,23 @@ class PoolConfig:
     max_connections: int
     max_readers: int
     pool_timeout_s: float
+    tenant_readers: int  # one tenant's readers at most
+    request_readers: int  # one request's readers at most
 
     @classmethod
     def from_settings(cls) -> PoolConfig:
+        max_readers = max(1, int(setting("WEB_MAX_STREAMS", WEB_MAX_STREAMS)))
+        tenant_readers = int(setting("WEB_TENANT_STREAMS", 0) or 0)
+        if tenant_readers <= 0:
+            tenant_readers = max(1, max_readers // TENANT_STREAMS_SHARE)
         return cls(
             max_connections=max(1, int(setting("WEB_REDIS_MAX_CONNECTIONS",
                                                WEB_REDIS_MAX_CONNECTIONS))),
-            max_readers=max(1, int(setting("WEB_MAX_STREAMS", WEB_MAX_STREAMS))),
+            max_readers=max_readers,
             pool_timeout_s=float(setting("WEB_REDIS_POOL_TIMEOUT_S", WEB_REDIS_POOL_TIMEOUT_S)),
+            tenant_readers=tenant_readers,
+            request_readers=max(1, int(setting("WEB_READERS_PER_REQUEST",
+                                               WEB_READERS_PER_REQUEST))),
         )
 
 
@@ -131,7 +146,9 @@ class _LoopState:
     config: PoolConfig
     clients: dict[str, aredis.Redis] = field(default_factory=dict)
     stream_readers: dict[str, StreamReader] = field(default_factory=dict)
-    readers: int = 0
+    readers: int = 0  # places held (``take_place``)
+    tenant_readers: dict[str, int] = field(default_factory=dict)  # tenant id -> places
+    request_readers: dict[str, int] = field(default_factory=dict)  # request id -> places
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
@@ -205,29 +222,89 @@ def _stream_event(entry_id: str, fields: Any) -> StreamEvent:
 @contextmanager
 def reader(request_id: str, after: str = "0-0") -> Iterator[Follower]:
     """An open reader of a request's stream: a follower of the process's stream reader
-    (pass it to ``read_events``), counted for ``check_capacity``; left on exit."""
-    state = _state()
+    (pass it to ``read_events``); left on exit. Its place in the process is the caller's
+    (``take_place``)."""
     shared = stream_reader()
     follower = shared.follow(protocol.events_stream(request_id), after)
-    state.readers += 1
     try:
         yield follower
     finally:
-        state.readers -= 1
         shared.leave(follower)
 
 
-def check_capacity() -> None:
-    """Raise RedisBusy (503) when this process already has ``max_readers`` readers open."""
+class ReaderPlace:
+    """A reader's place in this process, counted for the process, its tenant and its
+    request until ``release``: once, however often it is called (a ``with`` block, a
+    ``finally``); a place dropped unreleased (a reply nobody iterated) is released when it
+    is collected."""
+
+    __slots__ = ("tenant_id", "request_id", "_release", "__weakref__")
+
+    def __init__(self, state: _LoopState, tenant_id: str, request_id: str) -> None:
+        self.tenant_id = tenant_id
+        self.request_id = request_id
+        self._release = weakref.finalize(self, _leave_place, state, tenant_id, request_id)
+        self._release.atexit = False
+
+    @property
+    def held(self) -> bool:
+        return self._release.alive
+
+    def release(self) -> None:
+        self._release()
+
+    def __enter__(self) -> ReaderPlace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def take_place(tenant_id: str, request_id: str) -> ReaderPlace:
+    """A place for one more reader of ``request_id`` (the tenant's), checked and counted in
+    one step (no await between: concurrent readers never overshoot a cap). Raises ApiError
+    429 ``too_many_streams`` when the tenant holds its share of the process's places
+    (``tenant_readers``) or the request has ``request_readers`` readers already, RedisBusy
+    (503) when the process holds ``max_readers``."""
     state = _state()
-    if state.readers >= state.config.max_readers:
+    config = state.config
+    tenant = state.tenant_readers.get(tenant_id, 0)
+    if tenant >= config.tenant_readers:
+        raise _too_many(f"This tenant is streaming {tenant} requests and resumes on this "
+                        "server, its share; wait for one to end.")
+    readers = state.request_readers.get(request_id, 0)
+    if readers >= config.request_readers:
+        raise _too_many(f"This request already has {readers} readers on this server, its "
+                        "most at once; close one first.")
+    if state.readers >= config.max_readers:
         raise RedisBusy(f"This server is streaming {state.readers} requests, its most; "
                         "try again shortly.")
+    state.readers += 1
+    state.tenant_readers[tenant_id] = tenant + 1
+    state.request_readers[request_id] = readers + 1
+    return ReaderPlace(state, tenant_id, request_id)
 
 
-def open_readers() -> int:
-    """Readers of request streams open in this process now."""
-    return _state().readers
+def _leave_place(state: _LoopState, tenant_id: str, request_id: str) -> None:
+    state.readers -= 1
+    for counts, key in ((state.tenant_readers, tenant_id), (state.request_readers, request_id)):
+        left = counts.get(key, 0) - 1
+        if left > 0:
+            counts[key] = left
+        else:
+            counts.pop(key, None)
+
+
+def _too_many(message: str) -> ApiError:
+    return ApiError(errors.TOO_MANY_STREAMS, message,
+                    headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+                    retry_after_s=BUSY_RETRY_AFTER_S)
+
+
+def open_readers(tenant_id: str | None = None) -> int:
+    """Reader places held in this process now (the tenant's, with ``tenant_id``)."""
+    state = _state()
+    return state.readers if tenant_id is None else state.tenant_readers.get(tenant_id, 0)
 
 
 def sync_client() -> redis.Redis:

@@ -279,11 +279,14 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                        content: dict[str, Any]) -> None:
         body = {k: v for k, v in content.items() if k not in _ENVELOPE}
         queued = await service.enqueue(self.api_key, parse_request(kind, body))
-        run.request_id = queued.request_id
-        if run.cancel_requested:
-            await broker.publish_cancel(queued.request_id)
-        submission = await service.answer(queued)
-        await self._relay(client_id, queued.request_id, service.events(submission))
+        try:  # its reader's place, held from the enqueue to the end of its events
+            run.request_id = queued.request_id
+            if run.cancel_requested:
+                await broker.publish_cancel(queued.request_id)
+            submission = await service.answer(queued)
+            await self._relay(client_id, queued.request_id, service.events(submission))
+        finally:
+            queued.release()
 
     async def _resume(self, client_id: Any, run: _Running, content: dict[str, Any]) -> None:
         request_id = _uuid_text(content.get("request_id"))

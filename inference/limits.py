@@ -8,6 +8,10 @@ Limits (``Tenant`` fields, NULL = unlimited):
 - tokens_per_minute       tokens used in the last 60 s + reserved in flight -> tpm_exceeded
 - max_concurrent          requests queued or running, and resumes, now     -> concurrency_limited
 - monthly_token_budget    tokens used this UTC month + reserved in flight  -> budget_exceeded
+
+A replay (a resume of a finished request, its stored stream sent again: ``count_replay``)
+counts as a request against requests_per_minute, and against the web's replay rate per
+tenant, ``REPLAYS_PER_MINUTE`` (a setting; 0: unlimited)     -> replays_exceeded
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ TEMPLATE_TOKENS_FIXED = 16
 
 FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget")
 FRESH_KEY_S = 1.0  # a key (and its tenant) loaded this recently counts as read now
+REPLAYS_PER_MINUTE = 60  # default of the setting: one tenant's replays in the last minute
 
 
 def tenant_limits(tenant_id: int) -> Limits:
@@ -76,11 +81,7 @@ async def admit_key(api_key: ApiKey, request_id: str, reserve: int = 0,
     for the database thread (the limits come with the key; read from the database only
     when it was loaded over FRESH_KEY_S ago). Raises ApiError (429, 503 ``queue_full``)
     or a RedisError (the script may have run: the caller releases)."""
-    loaded_at = api_key.loaded_at
-    if loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S:
-        limits = Limits(**{f: getattr(api_key.tenant, f) for f in FIELDS})
-    else:
-        limits = await db.run(tenant_limits, api_key.tenant_id)
+    limits = await key_limits(api_key)
     now = time.time()
     script, keys, args = wire_limits.admit_call(
         str(api_key.tenant_id), request_id, limits, now=now, reserve=reserve,
@@ -89,6 +90,34 @@ async def admit_key(api_key: ApiKey, request_id: str, reserve: int = 0,
                                                                      *args))
     if refused is not None:
         raise refusal(refused, limits, reserve)
+
+
+async def key_limits(api_key: ApiKey) -> Limits:
+    """``key_limits_sync`` from async code: the database thread only for a key loaded over
+    FRESH_KEY_S ago."""
+    loaded_at = api_key.loaded_at
+    if loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S:
+        return Limits(**{f: getattr(api_key.tenant, f) for f in FIELDS})
+    return await db.run(tenant_limits, api_key.tenant_id)
+
+
+async def count_replay(api_key: ApiKey) -> None:
+    """Count a replay of a finished request (``wire.limits.replay_call``) against the
+    tenant's ``REPLAYS_PER_MINUTE`` and its requests per minute, or raise ApiError 429
+    (``replays_exceeded``, ``rpm_exceeded``, with Retry-After); counts nothing when both
+    are unlimited."""
+    per_minute = int(broker.setting("REPLAYS_PER_MINUTE", REPLAYS_PER_MINUTE))
+    limits = await key_limits(api_key)
+    if per_minute <= 0 and limits.requests_per_minute is None:
+        return
+    script, keys, args = wire_limits.replay_call(
+        str(api_key.tenant_id), now=time.time(),
+        replays_per_minute=per_minute if per_minute > 0 else None,
+        requests_per_minute=limits.requests_per_minute)
+    refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
+                                                                     *args))
+    if refused is not None:
+        raise refusal(refused, limits, replays_per_minute=per_minute)
 
 
 def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0,
@@ -218,12 +247,18 @@ async def free_slot_quietly(tenant_id: str, member: str) -> None:
         log.warning("could not free the slot %s of tenant %s", member, tenant_id, exc_info=True)
 
 
-def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0) -> ApiError:
+def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0,
+            replays_per_minute: int = 0) -> ApiError:
     """The 429 (503 for a full model queue) for a refusal: its code, a message saying what
     is over and what to do, ``param: "max_tokens"`` when a smaller one would fit, and when
     to retry (the ``Retry-After`` header, and ``retry_after_s`` in the body for websocket
     clients)."""
-    message, param = _explain(refused, limits, reserve)
+    if refused.limit == wire_limits.REPLAYS:
+        message, param = (f"This tenant replayed {refused.used} finished requests in the last "
+                          f"minute, the most per minute ({replays_per_minute}); try again in "
+                          f"{refused.retry_after_s} s."), None
+    else:
+        message, param = _explain(refused, limits, reserve)
     retry = refused.retry_after_s
     return ApiError(refused.code, message, param, headers={"Retry-After": str(retry)},
                     retry_after_s=retry)
@@ -269,8 +304,8 @@ def _explain(refused: wire_limits.Refused, limits: Limits,
     if limit == wire_limits.RPM:
         if how == wire_limits.TOO_BIG:
             return "This tenant may make no requests (requests_per_minute is 0).", None
-        return (f"This tenant made {used} requests in the last minute, its limit of "
-                f"{limits.requests_per_minute} per minute; try again in "
+        return (f"This tenant made {used} requests in the last minute (replays count "
+                f"too), its limit of {limits.requests_per_minute} per minute; try again in "
                 f"{refused.retry_after_s} s."), None
     return "This tenant may have no requests in flight (max_concurrent is 0).", None
 

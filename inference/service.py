@@ -45,7 +45,8 @@ BACKSTOP_MARGIN_S = 5.0  # the web's own REQUEST_TIMEOUT_S waits this much past 
 
 @dataclass(frozen=True, slots=True)
 class Queued:
-    """A request in the jobs stream, its history row created."""
+    """A request in the jobs stream, its history row created; ``place``: its reader's place
+    in this process, held until the request is answered and read (``release``)."""
 
     request_id: str
     kind: str
@@ -53,17 +54,30 @@ class Queued:
     created: int  # unix seconds
     watched_at: float = 0.0  # monotonic: when the enqueue wrote its watch key (0: it did not)
     deadline: float | None = None  # unix seconds: the job's (its ``timeout``)
+    place: broker.ReaderPlace | None = None
+
+    def release(self) -> None:
+        """Give the reader's place back (idempotent)."""
+        if self.place is not None:
+            self.place.release()
 
 
 @dataclass(frozen=True, slots=True)
 class Submission:
-    """A request the daemon answered: ``first`` is its ``accepted`` (or a terminal event)."""
+    """A request the daemon answered: ``first`` is its ``accepted`` (or a terminal event);
+    ``place``: its reader's place, given back when its events end (``events``)."""
 
     request_id: str
     kind: str
     model: str
     created: int
     first: StreamEvent
+    place: broker.ReaderPlace | None = None
+
+    def release(self) -> None:
+        """Give the reader's place back (idempotent)."""
+        if self.place is not None:
+            self.place.release()
 
 
 async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
@@ -72,11 +86,13 @@ async def submit(api_key: ApiKey, parsed: ParsedRequest) -> Submission:
 
 
 async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
-    """Create the history row and queue a checked request for a daemon of its model.
+    """Create the history row and queue a checked request for a daemon of its model; its
+    reader holds a place in this process from here (``broker.take_place``).
 
-    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit;
-    503 ``service_unavailable`` (Retry-After) when Redis does not answer or refuses: no row
-    is left queued (one already made is closed as failed) and the slot is released.
+    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit
+    or the tenant's share of this process's readers; 503 ``service_unavailable``
+    (Retry-After) when this process is full, or Redis does not answer or refuses: no row is
+    left queued (one already made is closed as failed) and the slot is released.
     """
     try:
         served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
@@ -86,8 +102,18 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         if parsed.model in settings.MODELS:  # configured, its daemon not up (yet)
             raise unavailable(parsed.model)
         raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
-    broker.check_capacity()  # 503 before anything is admitted when this process is full
     request_id = parsed.request_id or str(uuid.uuid4())  # an Idempotency-Key claim's id
+    # 429/503 before anything is admitted when the tenant's share or this process is full
+    place = broker.take_place(str(api_key.tenant_id), request_id)
+    try:
+        return await _enqueue(api_key, parsed, request_id, place)
+    except BaseException:
+        place.release()
+        raise
+
+
+async def _enqueue(api_key: ApiKey, parsed: ParsedRequest, request_id: str,
+                   place: broker.ReaderPlace) -> Queued:
     tenant_id = api_key.tenant_id
     # The admission (the model queue's gate, then the tenant's limits: one script) runs on
     # the event loop, so a refusal (429, 503) never waits behind other requests' rows on the
@@ -129,7 +155,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
         await _abandon(api_key.tenant_id, request_id, model=parsed.model)
         raise
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()),
-                  watched_at, job.deadline)
+                  watched_at, job.deadline, place)
 
 
 async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
@@ -191,15 +217,22 @@ async def _give_back(tenant_id: int, request_id: str, model: str) -> None:
 
 async def answer(queued: Queued) -> Submission:
     """Wait for the daemon's first event. Raises ApiError: 503 when no daemon takes the job;
-    the daemon's refusal (queue_full 503, context_length_exceeded 400, ...)."""
+    the daemon's refusal (queue_full 503, context_length_exceeded 400, ...); the reader's
+    place is given back then."""
     # the key the enqueue wrote still has most of its grace to live: no second write
     written = bool(queued.watched_at) and time.monotonic() - queued.watched_at < watch.renew_s()
-    async with CancelIfAbandoned(queued.request_id, watch_written=written):
-        first = await _wait_first(queued.request_id, queued.model, queued.deadline)
+    try:
+        async with CancelIfAbandoned(queued.request_id, watch_written=written):
+            first = await _wait_first(queued.request_id, queued.model, queued.deadline)
+    except BaseException:
+        queued.release()
+        raise
     if first.kind == protocol.ERROR:
+        queued.release()
         metrics.observe_end(first.data, first.kind)
         raise ApiError.from_event(first.data)
-    return Submission(queued.request_id, queued.kind, queued.model, queued.created, first)
+    return Submission(queued.request_id, queued.kind, queued.model, queued.created, first,
+                      queued.place)
 
 
 async def _wait_first(request_id: str, model: str, deadline: float | None) -> StreamEvent:
@@ -265,6 +298,7 @@ async def vocab_end(submission: Submission) -> StreamEvent:
     one after ``accepted`` (embeddings, computed in the daemon's loop), followed like any
     request's (a dead daemon, the backstop deadline, a client that goes away)."""
     if submission.first.is_terminal:
+        submission.release()
         metrics.observe_end(submission.first.data, submission.first.kind)
         return submission.first
     collected = await collect(submission)
@@ -272,20 +306,25 @@ async def vocab_end(submission: Submission) -> StreamEvent:
 
 
 async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
-    """The submission's first event, then the rest of its stream (see ``follow``)."""
-    yield submission.first
-    if submission.first.is_terminal:
-        metrics.observe_end(submission.first.data, submission.first.kind)
-        return
-    daemon_id = submission.first.data.get("daemon_id")
-    assert submission.first.entry_id is not None
-    rest = follow(submission.request_id, submission.first.entry_id, submission.model, daemon_id,
-                  resuming=False)
-    async with aclosing(rest):
-        async for event in rest:
-            if event is not None and event.is_terminal:
-                metrics.observe_end(event.data, event.kind)  # once per submission, never on resumes
-            yield event
+    """The submission's first event, then the rest of its stream (see ``follow``); its
+    reader's place is given back at the end."""
+    try:
+        yield submission.first
+        if submission.first.is_terminal:
+            metrics.observe_end(submission.first.data, submission.first.kind)
+            return
+        daemon_id = submission.first.data.get("daemon_id")
+        assert submission.first.entry_id is not None
+        rest = follow(submission.request_id, submission.first.entry_id, submission.model,
+                      daemon_id, resuming=False)
+        async with aclosing(rest):
+            async for event in rest:
+                if event is not None and event.is_terminal:
+                    # once per submission, never on resumes
+                    metrics.observe_end(event.data, event.kind)
+                yield event
+    finally:
+        submission.release()
 
 
 async def follow(request_id: str, after: str, model: str, daemon_id: str | None = None,
@@ -370,16 +409,30 @@ async def resume(api_key: ApiKey, row: InferenceRequest,
                  after: str) -> AsyncIterator[StreamEvent | None]:
     """The events of ``row`` after ``after`` (``follow``), for a client coming back; checked
     before the first byte goes out. Raises ApiError: 404 ``events_expired`` at once when the
-    stream is gone or will never come; 503 when this web process is full; 429 when the
-    tenant has ``max_concurrent`` requests and resumes already (a resume holds a slot in the
-    tenant's in-flight set for as long as it reads)."""
+    stream is gone or will never come; 503 when this web process is full; 429
+    ``too_many_streams`` past the tenant's share of this process's readers or the readers
+    one request may have (``broker.take_place``); 429 when the tenant has
+    ``max_concurrent`` requests and resumes already (a resume holds a slot in the tenant's
+    in-flight set for as long as it reads); 429 when it replays a finished request past
+    the tenant's replay rate or requests per minute (``limits.count_replay``)."""
     request_id = str(row.id)
     if not await broker.stream_exists(request_id) and _no_stream_coming(row):
         raise ApiError("events_expired", "The events of this request have expired.")
-    broker.check_capacity()
-    member = await db.run(limits.take_resume_slot_sync, api_key, ttl_s=RESUME_SLOT_TTL_S)
+    tenant_id = str(api_key.tenant_id)
+    place = broker.take_place(tenant_id, request_id)
+    try:
+        member = await db.run(limits.take_resume_slot_sync, api_key, ttl_s=RESUME_SLOT_TTL_S)
+        if row.finished is not None:  # a replay of a stored stream: a request's worth
+            try:
+                await limits.count_replay(api_key)
+            except BaseException:
+                await limits.free_slot_quietly(tenant_id, member)
+                raise
+    except BaseException:
+        place.release()
+        raise
     events = follow(request_id, after, row.model)
-    return _holding_slot(events, str(api_key.tenant_id), member)
+    return _holding_slot(events, tenant_id, member, place)
 
 
 def _no_stream_coming(row: InferenceRequest) -> bool:
@@ -390,9 +443,11 @@ def _no_stream_coming(row: InferenceRequest) -> bool:
 
 
 async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: str,
-                        member: str) -> AsyncIterator[StreamEvent | None]:
-    """``events``, renewing the resume's slot while they last and freeing it at the end
-    (a reader that never starts leaves a slot that expires in RESUME_SLOT_TTL_S)."""
+                        member: str, place: broker.ReaderPlace
+                        ) -> AsyncIterator[StreamEvent | None]:
+    """``events``, renewing the resume's slot while they last and freeing it and the
+    reader's place at the end (a reader that never starts leaves a slot that expires in
+    RESUME_SLOT_TTL_S, and its place goes back when it is collected)."""
     renewed = time.monotonic()
     try:
         async with aclosing(events) as stream:
@@ -402,6 +457,7 @@ async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: st
                     await limits.renew_slot(tenant_id, member, RESUME_SLOT_TTL_S)
                 yield event
     finally:
+        place.release()
         await limits.free_slot_quietly(tenant_id, member)
 
 

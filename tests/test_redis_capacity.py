@@ -4,6 +4,7 @@ full or its pool is exhausted. In-process, real test Redis."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import uuid
 
@@ -81,6 +82,26 @@ async def test_an_exhausted_pool_is_a_503_not_a_500(settings):
     assert await broker.stream_exists("x") is False
 
 
+async def test_a_readers_place_is_given_back_once_and_when_dropped(settings):
+    """A place goes back once however often it is released, and a place nobody released
+    (a reply nobody iterated) goes back when it is collected; the process's count and the
+    tenant's follow."""
+    settings.WEB_MAX_STREAMS = 2
+    settings.WEB_TENANT_STREAMS = 2
+    place = broker.take_place("t", "r1")
+    other = broker.take_place("t", "r2")
+    assert (broker.open_readers(), broker.open_readers("t")) == (2, 2)
+    with pytest.raises(ApiError) as caught:
+        broker.take_place("u", "r3")
+    assert (caught.value.status, caught.value.code) == (503, "service_unavailable")
+    place.release()
+    place.release()
+    assert (broker.open_readers(), broker.open_readers("t")) == (1, 1)
+    del other
+    gc.collect()
+    assert (broker.open_readers(), broker.open_readers("t")) == (0, 0)
+
+
 def hold(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
     daemon.accept(job)
     wait_until(lambda: daemon.is_cancelled(job.id) or release.is_set(), timeout_s=GUARD_S)
@@ -90,6 +111,7 @@ def hold(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
 @pytest.mark.django_db(transaction=True)
 async def test_a_full_process_answers_503_service_unavailable(parties, standin, settings):
     settings.WEB_MAX_STREAMS = 2
+    settings.WEB_TENANT_STREAMS = 10  # past the process: its refusal is the 503
     release = threading.Event()
     for _ in range(2):
         standin.serve(lambda d, j: hold(d, j, release))
@@ -117,10 +139,15 @@ async def test_a_full_process_answers_503_service_unavailable(parties, standin, 
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_130_resumes_of_one_tenant_leave_the_other_tenant_served(parties, standin):
+async def test_130_resumes_of_one_tenant_leave_the_other_tenant_served(parties, standin,
+                                                                       settings):
     """The issue's attack: tenant A (no max_concurrent) opens 130 resumes of a request it
     keeps running, over 5 sockets; tenant B's request meanwhile is served. Before, the
-    101st Redis connection raised MaxConnectionsError: B got 500 internal_error."""
+    101st Redis connection raised MaxConnectionsError: B got 500 internal_error. (The
+    tenant's share of the process and a request's readers are lifted here: what is
+    tested is the Redis connections; tests/test_stream_shares.py has the shares.)"""
+    settings.WEB_TENANT_STREAMS = 200
+    settings.WEB_READERS_PER_REQUEST = 200
     release = threading.Event()
     standin.serve(lambda d, j: hold(d, j, release))
     owner = [(b"authorization", f"Bearer {parties.owner}".encode())]

@@ -255,10 +255,12 @@ async def test_resumes_hold_concurrency_slots_and_free_them(parties, standin):
     await ws.disconnect()
 
 
-async def test_too_many_resumes_on_closed_sockets_leave_no_slots(parties, standin):
+async def test_too_many_resumes_on_closed_sockets_leave_no_slots(parties, standin, settings):
     """The issue's attack, small: a tenant with max_concurrent=1 opens resumes of its own
     finished request on several sockets: each is served or refused with
-    concurrency_limited, and no slot is left behind."""
+    concurrency_limited, and no slot is left behind. (A request's readers in the process
+    are not limited here: tests/test_stream_shares.py has that cap.)"""
+    settings.WEB_READERS_PER_REQUEST = 100
     await _limit(parties.a, max_concurrent=1)
     standin.serve(echo)
     ws = socket_for(parties.owner)

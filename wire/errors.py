@@ -65,6 +65,9 @@ CODES: dict[str, ErrorCode] = _codes(
     ("concurrency_limited", 429, "too many requests in flight for the tenant"),
     ("budget_exceeded", 429, "the tenant's monthly token budget is spent"),
     ("tenant_queue_full", 429, "the tenant has too many requests queued in the daemon"),
+    ("too_many_streams", 429, "the tenant's share of a web process's streams (or one "
+     "request's readers) is in use"),
+    ("replays_exceeded", 429, "replays of finished streams per minute over the tenant's rate"),
     # the service
     ("internal_error", 500, "a bug; the request alone failed"),
     ("engine_error", 500, "llama.cpp failed on this request"),
@@ -95,6 +98,8 @@ TIMEOUT = "timeout"
 CANCELLED = "request_cancelled"
 SERVICE_UNAVAILABLE = "service_unavailable"
 AUTH_THROTTLED = "auth_throttled"
+TOO_MANY_STREAMS = "too_many_streams"
+REPLAYS_EXCEEDED = "replays_exceeded"
 
 
 def status_of(code: str | None) -> int:

@@ -17,6 +17,9 @@ In-flight ``llm:limit:inflight:<tenant>``  sorted set: request id (or ``resume:<
 Reserved  ``llm:limit:reserved:<tenant>``  hash: request id -> tokens reserved at admission;
                                            counts while the request's in-flight member lives.
 Requests  ``llm:limit:rpm:<tenant>``       hash: unix second -> requests admitted in it
+                                           (and replays, when the tenant has an rpm limit)
+Replays   ``llm:limit:replays:<tenant>``   hash: unix second -> replays of finished requests
+                                           served in it (``replay_call``)
 Tokens    ``llm:limit:tpm:<tenant>``       hash: unix second -> tokens of requests that ended in it
 Month     ``llm:usage:month:<tenant>:<YYYYMM>``  tokens of requests that ended in a UTC month
 Refusals  ``llm:limit:refusals``           hash: refusal code -> count (for /metrics)
@@ -35,6 +38,7 @@ from typing import Any
 from . import queue
 from .errors import CODES
 from .protocol import HEARTBEAT_TTL_S, PREFIX
+from .scripts import lua
 
 WINDOW_S = 60  # requests and tokens per minute: the last WINDOW_S seconds
 WINDOW_KEY_TTL_S = 2 * WINDOW_S  # a window's hash outlives its newest bucket by this much
@@ -49,6 +53,7 @@ TPM_EXCEEDED = CODES["tpm_exceeded"].code
 CONCURRENCY_LIMITED = CODES["concurrency_limited"].code
 BUDGET_EXCEEDED = CODES["budget_exceeded"].code
 QUEUE_FULL = CODES["queue_full"].code
+REPLAYS_EXCEEDED = CODES["replays_exceeded"].code
 TENANT_QUEUE_FULL = CODES["tenant_queue_full"].code
 REFUSAL_CODES = (RPM_EXCEEDED, TPM_EXCEEDED, CONCURRENCY_LIMITED, BUDGET_EXCEEDED)
 QUEUE_REFUSAL_CODES = (QUEUE_FULL, TENANT_QUEUE_FULL)  # the model queue's gate (wire/queue.py)
@@ -56,8 +61,10 @@ QUEUE_REFUSAL_CODES = (QUEUE_FULL, TENANT_QUEUE_FULL)  # the model queue's gate 
 # Which limit refused (the script names them so) -> the refusal's code.
 BUDGET, TPM, RPM, CONCURRENCY = "budget", "tpm", "rpm", "concurrency"
 QUEUE, TENANT_QUEUE = "queue", "tenant_queue"  # the model's queue (wire/queue.py's gate)
+REPLAYS = "replays"  # the replay rate (``replay_call``)
 CODE_OF = {BUDGET: BUDGET_EXCEEDED, TPM: TPM_EXCEEDED, RPM: RPM_EXCEEDED,
-           CONCURRENCY: CONCURRENCY_LIMITED, QUEUE: QUEUE_FULL, TENANT_QUEUE: TENANT_QUEUE_FULL}
+           CONCURRENCY: CONCURRENCY_LIMITED, QUEUE: QUEUE_FULL, TENANT_QUEUE: TENANT_QUEUE_FULL,
+           REPLAYS: REPLAYS_EXCEEDED}
 # How: waiting for the window or the month helps (retry_after_s says when) ...
 OVER = "over"
 # ... what is missing is held by requests (or resumes) in flight: retry soon ...
@@ -78,6 +85,10 @@ def reserved_key(tenant_id: str) -> str:
 
 def rpm_key(tenant_id: str) -> str:
     return f"{PREFIX}:limit:rpm:{tenant_id}"
+
+
+def replays_key(tenant_id: str) -> str:
+    return f"{PREFIX}:limit:replays:{tenant_id}"
 
 
 def tpm_key(tenant_id: str) -> str:
@@ -330,6 +341,23 @@ def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | No
     args = [repr(now), member, repr(now + ttl_s), _arg(max_concurrent), ttl_s,
             CONCURRENCY_LIMITED]
     return decision(client.eval(_TAKE_SLOT, len(keys), *keys, *args))
+
+
+_COUNT_REPLAY = lua("count_replay")
+
+
+def replay_call(tenant_id: str, *, now: float, replays_per_minute: int | None,
+                requests_per_minute: int | None) -> tuple[str, list[str], list[Any]]:
+    """Count a replay (a resume of a finished request: its stored stream sent again) in
+    one atomic script: in the tenant's replay window under ``replays_per_minute``, and,
+    when the tenant has a ``requests_per_minute`` limit, as a request in its requests
+    window; or refuse it (``decision``: REPLAYS or RPM, OVER or TOO_BIG) and count nothing
+    but the refusal. None: unlimited. (script, keys, args) for any client's ``eval``."""
+    keys = [replays_key(tenant_id), rpm_key(tenant_id), REFUSALS_HASH,
+            tenant_refusals_key(tenant_id)]
+    args = [repr(now), WINDOW_S, WINDOW_KEY_TTL_S, _arg(replays_per_minute),
+            _arg(requests_per_minute), REPLAYS_EXCEEDED, RPM_EXCEEDED]
+    return _COUNT_REPLAY, keys, args
 
 
 def renew_slot(client: Any, tenant_id: str, member: str, ttl_s: float, now: float) -> Any:

@@ -1,0 +1,211 @@
+"""A web process's readers shared between tenants (issue 32), over a real daphne with a
+stand-in daemon: a tenant past its share of the process's readers (WEB_TENANT_STREAMS) gets
+429 ``too_many_streams`` while another tenant is served; the process's cap
+(WEB_MAX_STREAMS) is exact under a flood of concurrent resumes; one request has at most
+WEB_READERS_PER_REQUEST readers; replays of a finished request count against the tenant's
+replay rate (REPLAYS_PER_MINUTE) and its requests per minute. Small caps keep it cheap."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import websockets
+
+from tests.live_service import Reply, StandIn, WebServer, echo, wait_until
+from tests.test_limits_http import assert_429, chat, make_tenant, shell
+from wire import protocol
+
+pytestmark = pytest.mark.database  # live servers of this module's own
+GUARD_S = 30  # hang guard
+TENANT_STREAMS = 4  # the shares server's WEB_TENANT_STREAMS (its WEB_MAX_STREAMS: 16)
+REPLAYS = 3  # the shares server's REPLAYS_PER_MINUTE
+MAX_STREAMS = 8  # the cap server's WEB_MAX_STREAMS (one tenant may take all of it)
+PER_REQUEST = 4  # the cap server's WEB_READERS_PER_REQUEST
+
+
+def _server(**env: int) -> Iterator[WebServer]:
+    server = WebServer()
+    server.env.update({name: str(value) for name, value in env.items()})
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shares_web() -> Iterator[WebServer]:
+    yield from _server(WEB_MAX_STREAMS=16, WEB_TENANT_STREAMS=TENANT_STREAMS,
+                       WEB_READERS_PER_REQUEST=100, REPLAYS_PER_MINUTE=REPLAYS)
+
+
+@pytest.fixture(scope="module")
+def cap_web() -> Iterator[WebServer]:
+    yield from _server(WEB_MAX_STREAMS=MAX_STREAMS, WEB_TENANT_STREAMS=100,
+                       WEB_READERS_PER_REQUEST=PER_REQUEST)
+
+
+def hold(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
+    daemon.accept(job)
+    daemon.emit(job.id, protocol.TOKEN, {"text": "x", "n_tokens": 1})
+    wait_until(lambda: daemon.is_cancelled(job.id) or release.is_set(), timeout_s=GUARD_S)
+    daemon.finish(job, reason="cancelled" if daemon.is_cancelled(job.id) else "stop")
+
+
+def held_stream(web: WebServer, standin: StandIn, key: str,
+                release: threading.Event) -> tuple[Reply, str]:
+    """A streamed chat the stand-in keeps running until ``release``: (reply, its events path)."""
+    standin.serve(lambda d, j: hold(d, j, release))
+    reply = chat(web, standin, key, stream=True)
+    assert reply.status == 200
+    return reply, f"/v1/requests/{reply.header('X-Request-Id')}/events"
+
+
+def at_once(calls: list[Callable[[], Reply]]) -> list[Reply]:
+    """Every call on a thread of its own, released together."""
+    start = threading.Barrier(len(calls))
+
+    def run(call: Callable[[], Reply]) -> Reply:
+        start.wait(GUARD_S)
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def resumer(web: WebServer, path: str, key: str) -> Callable[[], Reply]:
+    return lambda: web.request("GET", path, key=key, timeout=GUARD_S)
+
+
+def read_to_end(replies: list[Reply]) -> None:
+    for reply in replies:
+        assert [data for _id, data in reply.sse()][-1] == "[DONE]"
+
+
+def error_of(reply: Reply) -> tuple[int, str]:
+    return reply.status, reply.json()["error"]["code"]
+
+
+def finish_row(web: WebServer, request_id: str) -> None:
+    """Close the request's history row as its daemon would (the stand-in writes none)."""
+    shell(web, "from django.utils import timezone; from inference.models import "
+               f"InferenceRequest; InferenceRequest.objects.filter(id='{request_id}')"
+               ".update(status='done', finished=timezone.now())")
+
+
+async def ws_resume(web: WebServer, key: str, request_id: str) -> dict:
+    """A websocket resume's first message for it (``accepted``, or the refusal)."""
+    async with websockets.connect(web.ws_url, additional_headers={
+            "Authorization": f"Bearer {key}"}) as ws:
+        await ws.send(json.dumps({"type": "resume", "id": 1, "request_id": request_id}))
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), GUARD_S))
+            if message.get("id") == 1:
+                return message
+
+
+def test_a_tenant_past_its_share_gets_429_and_the_others_are_served(shares_web, standin):
+    """The issue's attack, small: tenant A floods resumes of its own running stream, more
+    than the whole process holds. A gets its share (its stream and three resumes) and 429
+    too_many_streams past it, SSE and websocket alike; tenant B's streamed and whole
+    requests are served meanwhile (never a 503)."""
+    web, a, b = shares_web, shares_web.keys["owner"], shares_web.keys["outsider"]
+    release = threading.Event()
+    held, path = held_stream(web, standin, a, release)
+    try:
+        replies = at_once([resumer(web, path, a) for _ in range(20)])
+        admitted = [r for r in replies if r.status == 200]
+        standin.serve(echo, jobs=2)
+        whole = chat(web, standin, b)
+        assert whole.status == 200, whole.json()
+        assert whole.json()["choices"][0]["message"]["content"] == "Hello world"
+        streamed = chat(web, standin, b, stream=True)
+        assert streamed.status == 200, streamed.json()
+        read_to_end([streamed])
+        assert len(admitted) == TENANT_STREAMS - 1  # its stream holds a place too
+        for reply in replies:
+            if reply.status != 200:
+                assert_429(reply, "too_many_streams")
+        refusal = asyncio.run(ws_resume(web, a, held.header("X-Request-Id")))
+        assert (refusal["type"], refusal["status"], refusal["error"]["code"]) == (
+            "error", 429, "too_many_streams"), refusal
+    finally:
+        release.set()
+    read_to_end([held, *admitted])
+
+
+def test_the_process_cap_is_exact_under_concurrent_resumes(cap_web, standin):
+    """Three running streams hold three of the process's eight places; thirty resumes of
+    them at once: exactly five are admitted (all open together), the others are refused
+    (429 past a request's readers, 503 service_unavailable once the process is full)."""
+    web, key = cap_web, cap_web.keys["owner"]
+    release = threading.Event()
+    held = [held_stream(web, standin, key, release) for _ in range(3)]
+    try:
+        replies = at_once([resumer(web, path, key) for _ in range(10) for _r, path in held])
+        admitted = [r for r in replies if r.status == 200]
+        refusals = [error_of(r) for r in replies if r.status != 200]
+        assert len(admitted) == MAX_STREAMS - len(held), (len(admitted), refusals)
+        assert set(refusals) <= {(429, "too_many_streams"), (503, "service_unavailable")}
+        assert (503, "service_unavailable") in refusals
+    finally:
+        release.set()
+    read_to_end([reply for reply, _path in held] + admitted)
+
+
+def test_one_request_has_at_most_its_readers(cap_web, standin):
+    """A running stream and three resumes of it are its four readers: a fifth is 429
+    too_many_streams, while another request of the same tenant is still followed."""
+    web, key = cap_web, cap_web.keys["member"]
+    release = threading.Event()
+    first, path = held_stream(web, standin, key, release)
+    second, other_path = held_stream(web, standin, key, release)
+    try:
+        resumes = [web.request("GET", path, key=key, timeout=GUARD_S)
+                   for _ in range(PER_REQUEST - 1)]
+        assert [r.status for r in resumes] == [200] * (PER_REQUEST - 1)
+        refused = web.request("GET", path, key=key, timeout=GUARD_S)
+        assert_429(refused, "too_many_streams")
+        other = web.request("GET", other_path, key=key, timeout=GUARD_S)
+        assert other.status == 200
+    finally:
+        release.set()
+    read_to_end([first, second, *resumes, other])
+
+
+def finished_request(web: WebServer, standin: StandIn, key: str) -> str:
+    """A chat answered and closed: its events path (a resume of it is a replay)."""
+    standin.serve(echo)
+    reply = chat(web, standin, key)
+    assert reply.status == 200
+    reply.json()
+    request_id = reply.header("X-Request-Id")
+    finish_row(web, request_id)
+    return f"/v1/requests/{request_id}/events"
+
+
+def test_replays_past_the_tenants_replay_rate_are_429(shares_web, standin):
+    web = shares_web
+    _, key = make_tenant(web)
+    path = finished_request(web, standin, key)
+    for _ in range(REPLAYS):
+        replay = web.request("GET", path, key=key, timeout=GUARD_S)
+        assert replay.status == 200
+        read_to_end([replay])
+    assert_429(web.request("GET", path, key=key, timeout=GUARD_S), "replays_exceeded")
+
+
+def test_replays_count_against_the_tenants_requests_per_minute(shares_web, standin):
+    """requests_per_minute 3: the chat and two replays of it take all three; the next
+    replay and the next chat are refused alike."""
+    web = shares_web
+    _, key = make_tenant(web, requests_per_minute=3)
+    path = finished_request(web, standin, key)
+    for _ in range(2):
+        replay = web.request("GET", path, key=key, timeout=GUARD_S)
+        assert replay.status == 200
+        read_to_end([replay])
+    assert_429(web.request("GET", path, key=key, timeout=GUARD_S), "rpm_exceeded")
+    assert_429(chat(web, standin, key), "rpm_exceeded")
