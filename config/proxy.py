@@ -5,10 +5,13 @@ Every byte a client sends reaches nginx first. daphne reads a whole request body
 temporary file, chunked or not, without a limit) before Django sees the request, and it
 has no deadline for a request's head; nginx has both, and ``auth_request``:
 
-- a request to the API (``/v1/`` but health, the schema and the docs) is first checked by a
-  body-less subrequest to ``/internal/key-check`` (``inference/views.py``'s key check): a
-  missing, unknown or throttled key is refused before one byte of the body is read (a
-  client that sent ``Expect: 100-continue`` never sends it);
+- a request to the API (``/v1/`` but health, the schema, the docs and metrics) is first
+  checked by a body-less subrequest to ``/v1/internal/key-check`` (``inference/auth.py``'s
+  ``key_check``): a missing, unknown or throttled key is refused before one byte of the
+  body is read (what a client sends anyway is read and dropped, never stored or passed on);
+- an address the key check throttles (too many failed keys) is refused by nginx itself,
+  from a cache of that answer keyed by the address, for as long as its Retry-After says:
+  a flood of wrong keys costs daphne nothing once it is throttled;
 - no body is read past ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (Django's own limit, the same
   number), with or without a key, chunked or not;
 - a request head must arrive within ``PROXY_HEADER_TIMEOUT_S``; a body that stops arriving
@@ -60,7 +63,7 @@ NGINX_PATHS = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbi
 
 # API paths a client reaches without a key (exact paths, under /v1/).
 ANONYMOUS_API = ("health", "openapi.json", "docs", "metrics")
-KEY_CHECK_PATH = "/internal/key-check"
+KEY_CHECK_PATH = "/v1/internal/key-check"
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:
@@ -249,6 +252,8 @@ http {{
     fastcgi_temp_path {work / 'fastcgi'};
     uwsgi_temp_path {work / 'uwsgi'};
     scgi_temp_path {work / 'scgi'};
+    proxy_cache_path {work / 'throttled'} levels=1:2 keys_zone=throttled:1m max_size=16m
+                     inactive=10m use_temp_path=off;
 
     # bodies: never past the limit, and only once the key is good (auth_request below)
     client_max_body_size {cfg.max_body_bytes};
@@ -293,6 +298,11 @@ http {{
         location = /_key_check {{
             internal;
             proxy_pass http://web{KEY_CHECK_PATH};
+            # a throttled address's 403 (X-Accel-Expires: its Retry-After) is kept per
+            # address; nothing else is cached (no other answer says how long it holds)
+            proxy_cache throttled;
+            proxy_cache_key $remote_addr;
+            proxy_cache_methods GET HEAD;
             proxy_http_version 1.1;
             proxy_pass_request_body off;
 {_indent(FORWARDED)}            proxy_set_header Content-Length "";
@@ -304,7 +314,7 @@ http {{
             proxy_set_header X-Original-URI $request_uri;
         }}
         # never reached from outside
-        location /internal/ {{
+        location /v1/internal/ {{
             default_type application/json;
 {_refusal("not_found", "Not found.", " " * 12)}
         }}

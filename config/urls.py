@@ -4,7 +4,7 @@ from django.urls import include, path, re_path
 from django.views.decorators.csrf import csrf_exempt
 from django.views.generic import RedirectView
 
-from inference import admin_live, auth, errors, metrics
+from inference import admin_live, errors, metrics
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="playground", permanent=False)),
@@ -12,7 +12,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics_view, name="metrics"),
     # nginx's auth_request (the proxy never routes /internal/ from clients)
-    path("internal/key-check", auth.key_check, name="key-check"),
     path("", include("inference.urls")),
     # Unknown API URLs answer in the API's error shape, DEBUG or not.
     re_path(f"^{settings.API_PREFIX.lstrip('/')}", csrf_exempt(errors.not_found)),

@@ -4,7 +4,7 @@ and for the proxy's key check.
 ``ApiKeyAuthentication`` (REST_FRAMEWORK's default: every /v1/ view, sync or async) reads
 ``Authorization: Bearer sk-...``; ``key_for`` is the same lookup for async code (the
 websocket's middleware and its ``auth`` message); ``key_check`` answers nginx's
-``auth_request`` (GET /internal/key-check) before it reads a request's body. A key is looked
+``auth_request`` (GET /v1/internal/key-check) before it reads a request's body. A key is looked
 up in the database (``accounts.authentication.find_key``, on the web's database thread) and
 then trusted for ``KEY_CACHE_S`` in this process: a revoked key, or one whose tenant was
 deactivated, stops authenticating within that second in every web process, and at once in a
@@ -369,7 +369,7 @@ class ApiKeyAuthMiddleware(BaseMiddleware):
 
 @csrf_exempt
 async def key_check(request: HttpRequest) -> HttpResponse:
-    """GET /internal/key-check: nginx's ``auth_request``, before it reads a request's body.
+    """GET /v1/internal/key-check: nginx's ``auth_request``, before it reads a request's body.
     The key comes from ``Authorization: Bearer`` or ``X-Api-Key``. 204: a usable key; 401
     with ``X-Refusal: invalid_api_key``: none, or not usable; 403 with ``X-Refusal:
     auth_throttled`` and Retry-After: the address is throttled (auth_request passes only
@@ -384,6 +384,8 @@ async def key_check(request: HttpRequest) -> HttpResponse:
         response = HttpResponse(status=403)
         response["X-Refusal"] = AUTH_THROTTLED
         response["Retry-After"] = str(refused.wait)
+        # the door keeps this answer for the address that long (config/proxy.py)
+        response["X-Accel-Expires"] = str(refused.wait)
         return response
     if api_key is None:
         response = HttpResponse(status=401)

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularRedocView
 
-from inference import api_views, metrics, views
+from inference import api_views, auth, metrics, views
 
 PUBLIC = {"authentication_classes": [], "permission_classes": []}  # no key needed
 history_list = views.InferenceRequestViewSet.as_view({"get": "list"})
@@ -24,6 +24,8 @@ api_patterns = [
     path("requests/<uuid:pk>/events", api_views.RequestEventsView.as_view(),
          name="request-events"),
     path("usage", views.UsageView.as_view(), name="usage"),
+    # nginx's auth_request (config/proxy.py); the door answers 404 to clients asking for it
+    path("internal/key-check", auth.key_check, name="key-check"),
     path("openapi.json", SpectacularJSONAPIView.as_view(**PUBLIC), name="openapi-schema"),
     path("docs", SpectacularRedocView.as_view(url_name="openapi-schema", **PUBLIC),
          name="api-docs"),

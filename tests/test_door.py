@@ -24,6 +24,7 @@ HEAD_DEADLINE_S = 2
 BODY_DEADLINE_S = 2
 KEEPALIVE_S = 2
 PER_ADDRESS = 4
+FAILURES = 5  # AUTH_FAILURES_PER_MINUTE
 GUARD_S = 60  # hang guard: far past every deadline above
 
 
@@ -36,6 +37,7 @@ def web() -> Iterator[WebServer]:
         "PROXY_BODY_TIMEOUT_S": str(BODY_DEADLINE_S),
         "PROXY_KEEPALIVE_S": str(KEEPALIVE_S),
         "PROXY_CONNS_PER_ADDRESS": str(PER_ADDRESS),
+        "AUTH_FAILURES_PER_MINUTE": str(FAILURES),
     })
     server.start()
     yield server
@@ -312,8 +314,39 @@ def test_one_address_has_a_bounded_number_of_requests_in_progress(web):
 
 
 def test_a_client_cannot_reach_internal_paths(web):
-    reply = web.request("GET", "/internal/key-check", key=web.keys["owner"])
+    reply = web.request("GET", "/v1/internal/key-check", key=web.keys["owner"])
     assert (reply.status, reply.json()["error"]["code"]) == (404, "not_found")
+
+
+def key_checks_seen(web: WebServer) -> int:
+    """Key checks daphne has answered (its access log)."""
+    return (web.tmp / "daphne.log").read_text(errors="replace").count("/v1/internal/key-check")
+
+
+def test_a_wrong_key_flood_is_throttled_at_the_door_by_the_real_address(web):
+    """Random well-formed keys from one address, each claiming another X-Forwarded-For:
+    past AUTH_FAILURES_PER_MINUTE the address gets 429 ``auth_throttled`` (Retry-After)
+    from the door itself, without daphne being asked again; another address is served."""
+    statuses = []
+    for i in range(FAILURES + 10):
+        with connect(web, "127.0.0.5") as sock:
+            sock.sendall(head("/v1/completions", {
+                "Content-Type": "application/json", "Content-Length": "2",
+                "Authorization": f"Bearer sk-{i:010d}.{'x' * 43}",
+                "X-Forwarded-For": f"10.0.0.{i % 250}"}) + b"{}")
+            status, headers, body = read_reply(sock)
+        statuses.append((status, error_code(body)))
+        if status == 429:
+            assert headers["retry-after"].isdigit()
+            if statuses.count((429, "auth_throttled")) == 1:
+                asked = key_checks_seen(web)
+    assert statuses[:FAILURES] == [(401, "invalid_api_key")] * FAILURES
+    assert set(statuses[FAILURES:]) == {(429, "auth_throttled")}
+    assert key_checks_seen(web) == asked  # the door answered the rest alone
+    with connect(web, "127.0.0.6") as sock:
+        sock.sendall(head("/v1/models", {"Authorization": f"Bearer {web.keys['owner']}"},
+                          method="GET"))
+        assert read_reply(sock)[0] == 200
 
 
 def test_daphne_is_reached_only_through_the_door(web):

@@ -29,7 +29,7 @@ from wire import protocol
 
 LIMIT = 5
 URL = "/v1/models"  # a keyed view that reads only Redis once the key is known
-KEY_CHECK = "/internal/key-check"
+KEY_CHECK = "/v1/internal/key-check"
 ALPHABET = string.ascii_letters + string.digits
 
 
