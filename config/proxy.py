@@ -193,7 +193,7 @@ def _named_locations(cfg: ProxyConfig) -> str:
 FORWARDED = "".join(f"        proxy_set_header {line};\n" for line in (
     "Host $http_host",
     "X-Forwarded-For $remote_addr",
-    "X-Forwarded-Proto $scheme",
+    "X-Forwarded-Proto $forwarded_proto",
     "X-Forwarded-Port $server_port",
     'Daphne-Root-Path ""',
 ))
@@ -230,9 +230,16 @@ def render(cfg: ProxyConfig) -> str:
     if not upstream.startswith("unix:") and ":" not in upstream:
         raise ValueError(f"upstream {upstream!r}: use unix:/path or host:port")
     anonymous = "|".join(p.replace(".", r"\.") for p in ANONYMOUS_API)
+    # Behind a proxy of the operator's (TLS there): its X-Forwarded-For names the client and
+    # its X-Forwarded-Proto the scheme, believed from those addresses only.
     real_ip = "".join(f"    set_real_ip_from {a};\n" for a in cfg.trusted)
     if real_ip:
         real_ip += "    real_ip_header X-Forwarded-For;\n    real_ip_recursive on;\n"
+    trusted = "".join(f"        {a} 1;\n" for a in cfg.trusted)
+    real_ip += ("    geo $realip_remote_addr $from_trusted {\n        default 0;\n"
+                f"{trusted}    }}\n"
+                '    map "$from_trusted:$http_x_forwarded_proto" $forwarded_proto {\n'
+                '        default $scheme;\n        "1:https" https;\n    }\n')
     # Started by root, nginx runs its workers as nobody, who could not open daphne's socket
     # (mode 600): they run as the user who runs daphne, as they do when nginx is not root.
     user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""

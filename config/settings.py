@@ -11,6 +11,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from config import proxy
 from config.env import (
     env_bool,
     env_choice,
@@ -218,8 +219,10 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }
 
-# Request bodies (the API answers 400 request_too_large past it): Django's default, 2.5 MB.
-DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 2_621_440)
+# Request bodies (the API answers 400 request_too_large past it): Django's default, 2.5 MB;
+# the door (nginx, config/proxy.py) reads no body past it either.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE",
+                                      proxy.DATA_UPLOAD_MAX_MEMORY_SIZE)
 
 # Redis: job queue and token pipe between web and the scheduler daemon.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -241,6 +244,13 @@ RESUME_GRACE_S = env_float("RESUME_GRACE_S", 10.0)
 # service_unavailable), how long a command waits for a connection.
 WEB_REDIS_MAX_CONNECTIONS = env_int("WEB_REDIS_MAX_CONNECTIONS", 128)
 WEB_MAX_STREAMS = env_int("WEB_MAX_STREAMS", 512)
+# A tenant's share of those readers (0: a quarter of WEB_MAX_STREAMS) and the readers one
+# request may have at once (its stream and resumes); past either: 429 too_many_streams.
+WEB_TENANT_STREAMS = env_int("WEB_TENANT_STREAMS", 0)
+WEB_READERS_PER_REQUEST = env_int("WEB_READERS_PER_REQUEST", 4)
+# Replays of finished requests per tenant per minute (0: unlimited); past it: 429
+# replays_exceeded. A replay also counts against the tenant's requests per minute.
+REPLAYS_PER_MINUTE = env_int("REPLAYS_PER_MINUTE", 60)
 WEB_REDIS_POOL_TIMEOUT_S = env_float("WEB_REDIS_POOL_TIMEOUT_S", 5.0)
 # Websockets (inference/consumers.py): authenticate within this long or the socket closes
 # (4401); open sockets' keys are checked again this often (revoked key: close 4401).

@@ -403,3 +403,14 @@ def test_every_keyed_path_goes_through_the_key_check(web, path):
 def test_anonymous_paths_stay_open(web):
     assert web.request("GET", "/v1/health").status == 200
     assert web.request("GET", "/v1/openapi.json").status == 200
+
+
+def test_forwarded_headers_are_believed_only_from_trusted_addresses(tmp_path):
+    """Without PROXY_TRUSTED_ADDRESSES the client's address and scheme are nginx's own view;
+    with it, X-Forwarded-For and X-Forwarded-Proto are taken from those addresses only."""
+    plain = proxy.render(proxy.ProxyConfig.from_env("127.0.0.1:1", "unix:/x", tmp_path, {}))
+    assert "set_real_ip_from" not in plain and "default 0;\n    }" in plain
+    trusted = proxy.render(proxy.ProxyConfig.from_env(
+        "127.0.0.1:1", "unix:/x", tmp_path, {"PROXY_TRUSTED_ADDRESSES": "10.0.0.0/8"}))
+    assert "set_real_ip_from 10.0.0.0/8;" in trusted and "        10.0.0.0/8 1;" in trusted
+    assert "X-Forwarded-Proto $forwarded_proto" in trusted
