@@ -196,7 +196,9 @@ class WebServer:
             except OSError:
                 if (self.proc.poll() is not None or self.door.poll() is not None
                         or time.monotonic() > deadline):
-                    raise RuntimeError(f"daphne did not start:\n{self.log_tail()}") from None
+                    tail = self.log_tail()
+                    self.stop()  # no daphne or nginx left behind
+                    raise RuntimeError(f"daphne did not start:\n{tail}") from None
                 time.sleep(0.2)
 
     def daphne_argv(self) -> list[str]:
