@@ -286,11 +286,8 @@ async def check_key(raw: str, address: str | None) -> ApiKey | None:
 
 async def key_for(raw: str) -> ApiKey | None:
     """``check_key`` for the connection's client address (``client_address``); None when
-    the key is not usable or the address is throttled."""
-    try:
-        return await check_key(raw, client_address.get())
-    except AuthThrottled:
-        return None
+    the key is not usable. Raises ``AuthThrottled`` when the address is throttled."""
+    return await check_key(raw, client_address.get())
 
 
 def _setting(name: str, default: float) -> float:
@@ -361,6 +358,7 @@ class ApiKeyAuthMiddleware(BaseMiddleware):
                                     else _known_bad(address))
             except AuthThrottled as refused:
                 scope["auth_error"] = str(refused.detail)
+                scope["auth_error_code"] = AUTH_THROTTLED
             else:
                 if scope["api_key"] is None:
                     scope["auth_error"] = BAD_KEY

@@ -33,13 +33,13 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.models import ApiKey
 from inference import broker, db, service
-from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, key_for
+from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, AuthThrottled, key_for
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.openai_format import chat_logprob
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from wire import protocol
-from wire.errors import INTERNAL_ERROR
+from wire.errors import AUTH_THROTTLED, INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         self.running = {}
         await self.accept()
         if self.scope.get("auth_error"):
-            await self._refuse_auth(self.scope["auth_error"])
+            await self._refuse_auth(self.scope["auth_error"],
+                                    self.scope.get("auth_error_code", INVALID_API_KEY))
         elif self.api_key is None:
             self._auth_timer = asyncio.create_task(self._auth_deadline())
         else:
@@ -162,7 +163,11 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
     # -- auth ------------------------------------------------------------------------------
 
     async def _authenticate(self, raw: Any) -> None:
-        self.api_key = await key_for(raw) if isinstance(raw, str) and raw else None
+        try:
+            self.api_key = await key_for(raw) if isinstance(raw, str) and raw else None
+        except AuthThrottled as refused:
+            await self._refuse_auth(str(refused.detail), AUTH_THROTTLED)
+            return
         if self.api_key is None:
             await self._refuse_auth(BAD_KEY)
             return
@@ -182,8 +187,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             except Exception:  # the socket is going either way
                 log.warning("closing an unauthenticated websocket failed", exc_info=True)
 
-    async def _refuse_auth(self, message: str) -> None:
-        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(INVALID_API_KEY, message))
+    async def _refuse_auth(self, message: str, code: str = INVALID_API_KEY) -> None:
+        await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(code, message))
 
     async def revoked(self) -> None:
         """The key was revoked or its tenant deactivated (the watcher noticed)."""

@@ -240,7 +240,12 @@ def test_websocket_lookups_count_against_the_connections_address(limit, fake_loo
     seen: list[tuple[Any, ...]] = []
 
     async def consumer(scope: dict, receive: Any, send: Any) -> None:
-        seen.append((scope["api_key"], scope["auth_error"], await auth.key_for(random_key())))
+        try:
+            looked_up = await auth.key_for(random_key())
+        except auth.AuthThrottled:
+            looked_up = "throttled"
+        seen.append((scope["api_key"], scope["auth_error"], looked_up,
+                     scope.get("auth_error_code")))
 
     app = auth.ApiKeyAuthMiddleware(consumer)
 
@@ -261,7 +266,7 @@ def test_websocket_lookups_count_against_the_connections_address(limit, fake_loo
     assert all(s[1] == auth.BAD_KEY for s in seen[:limit // 2])
     throttled = seen[-2]
     assert throttled[0] is None and throttled[1].startswith("Too many failed API key checks")
-    assert throttled[2] is None
+    assert throttled[2:] == ("throttled", "auth_throttled")  # the socket closes with that code
     assert seen[-1][1] == auth.BAD_KEY  # another address: looked up
 
 
