@@ -21,6 +21,8 @@ def daphne_endpoint(host: str, port: int | str, backlog: int = LISTEN_BACKLOG) -
 
 def daphne_unix_endpoint(path: str, backlog: int = LISTEN_BACKLOG) -> str:
     """The ``daphne -e`` endpoint string for a unix socket at ``path`` that only this user
-    can connect to (the door, nginx, runs as the same user: config/proxy.py)."""
+    can connect to (the door, nginx, runs as the same user: config/proxy.py). With its lock
+    file (``<path>.lock``) a daphne started after a killed one removes the stale socket
+    instead of failing with "Address already in use"."""
     escaped = str(path).replace(":", r"\:")
-    return f"unix:{escaped}:mode=600:backlog={int(backlog)}:lockfile=0"
+    return f"unix:{escaped}:mode=600:backlog={int(backlog)}:lockfile=1"
