@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--ramp-s", type=float, default=3.0,
                         help="seconds each flood runs before the victim starts")
+    parser.add_argument("--only", choices=sorted(FLOODS), help="run this flood alone")
     args = parser.parse_args()
     web = WebServer().start()
     standin = StandIn().start()
@@ -192,6 +193,8 @@ def main() -> None:
                         "victim_requests_per_round": args.requests}
         spawn = multiprocessing.get_context("spawn")
         for name, target in targets.items():
+            if args.only and name != args.only:
+                continue
             rounds = []
             for _ in range(args.rounds):
                 alone = victim_latencies(web, standin.model, args.requests)

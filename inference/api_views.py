@@ -22,7 +22,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
 
-from inference import broker, idempotency, service
+from inference import idempotency, service
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.openai_format import (
@@ -218,8 +218,6 @@ class RequestEventsView(APIView):
                  or request.query_params.get("last_event_id") or "0-0")
         if not service.is_event_id(after):
             raise invalid("last_event_id", "Last-Event-ID must be a stream entry id such as 1-0.")
-        if row.finished and not await broker.stream_exists(str(pk)):
-            raise ApiError("events_expired", "The events of this request have expired.")
         include_usage = request.query_params.get("include_usage", "").lower() in (
             "1", "true", "yes")
         formatter = Formatter(row.kind, str(pk), row.model, int(row.created.timestamp()),

@@ -12,6 +12,8 @@ Limits (``Tenant`` fields, NULL = unlimited):
 A replay (a resume of a finished request, its stored stream sent again: ``count_replay``)
 counts as a request against requests_per_minute, and against the web's replay rate per
 tenant, ``REPLAYS_PER_MINUTE`` (a setting; 0: unlimited)     -> replays_exceeded
+A replay refused by the script is remembered in this process until its Retry-After
+(``ReplayRefusals``): the tenant's replays in that time are refused without Redis.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import dataclass, replace
 
 import redis
 from django.conf import settings
@@ -101,22 +104,129 @@ async def key_limits(api_key: ApiKey) -> Limits:
     return await db.run(tenant_limits, api_key.tenant_id)
 
 
+@dataclass(slots=True)
+class RememberedRefusal:
+    """A replay refusal of the script: ``refused`` until ``until`` (monotonic s), under the
+    replay rate ``per_minute`` and the tenant's ``rpm``; ``unreported``: replays refused
+    from it since, not yet in Redis's refusal counters."""
+
+    refused: wire_limits.Refused
+    until: float
+    per_minute: int
+    rpm: int | None
+    unreported: int = 0
+
+
+class ReplayRefusals:
+    """Per tenant, the last replay refusal of the script (``count_replay``), until the
+    Retry-After it gave. No replay of the tenant can be admitted by any process before
+    then (a window only gains counts until its buckets age out, and the Retry-After is when
+    enough have), unless its limits change: so a replay in that time is refused here, with
+    no Redis and no database work, while the script's windows stay the truth (nothing is
+    ever admitted here). A refusal for the tenant's requests per minute holds only while
+    that limit is unchanged; one for the replay rate only while ``REPLAYS_PER_MINUTE`` is.
+    The refusals made here are added to Redis's counters by the tenant's next script call.
+    One per web process, used on its event loop only."""
+
+    def __init__(self) -> None:
+        self._remembered: dict[str, RememberedRefusal] = {}
+        self._unreported: dict[str, tuple[str, int]] = {}  # tenant: (code, refusals)
+
+    def remember(self, tenant_id: str, refused: wire_limits.Refused, per_minute: int,
+                 rpm: int | None, now: float) -> None:
+        """The script refused the tenant's replay, ``refused.retry_after_s`` from ``now``."""
+        if len(self._remembered) >= MAX_REMEMBERED_TENANTS:
+            self._drop_expired(now)
+        self._remembered[tenant_id] = RememberedRefusal(
+            refused, now + refused.retry_after_s, per_minute, rpm)
+
+    def refusal(self, tenant_id: str, per_minute: int, now: float,
+                rpm: int | None = None) -> RememberedRefusal | None:
+        """The tenant's remembered refusal if it still holds at ``now`` under these terms
+        (``rpm`` is looked at for a requests-per-minute refusal only), else None (and
+        it is forgotten)."""
+        held = self._remembered.get(tenant_id)
+        if held is None:
+            return None
+        if (held.until <= now or held.per_minute != per_minute
+                or (held.refused.limit == wire_limits.RPM and held.rpm != rpm)):
+            self._forget(tenant_id)
+            return None
+        return held
+
+    def unreported(self, tenant_id: str) -> tuple[str, int]:
+        """(code, count) of the refusals made here that Redis has not counted yet; they are
+        handed over (the caller passes them to the script)."""
+        return self._unreported.pop(tenant_id, ("", 0))
+
+    def clear(self) -> None:
+        self._remembered.clear()
+        self._unreported.clear()
+
+    def _forget(self, tenant_id: str) -> None:
+        held = self._remembered.pop(tenant_id)
+        if held.unreported:  # the next script call hands them over (one refusal's at most)
+            self._unreported[tenant_id] = (held.refused.code, held.unreported)
+        if len(self._unreported) > MAX_REMEMBERED_TENANTS:
+            self._unreported.clear()  # counters for /metrics: a bound before exactness
+
+    def _drop_expired(self, now: float) -> None:
+        for tenant_id in [t for t, h in self._remembered.items() if h.until <= now]:
+            self._forget(tenant_id)
+        if len(self._remembered) >= MAX_REMEMBERED_TENANTS:
+            self._remembered.clear()
+
+
+MAX_REMEMBERED_TENANTS = 10_000
+replay_refusals = ReplayRefusals()
+
+
+def _replays_per_minute() -> int:
+    return int(broker.setting("REPLAYS_PER_MINUTE", REPLAYS_PER_MINUTE))
+
+
+async def refuse_remembered_replay(api_key: ApiKey) -> None:
+    """Raise the tenant's remembered replay refusal (``ReplayRefusals``), its Retry-After
+    what is left of it: with no Redis, and no database work but, for a requests-per-minute
+    refusal of a key loaded over FRESH_KEY_S ago, the tenant's limits. Returns when none
+    holds."""
+    tenant_id, per_minute = str(api_key.tenant_id), _replays_per_minute()
+    now = time.monotonic()
+    held = replay_refusals.refusal(tenant_id, per_minute, now)
+    if held is None:
+        return
+    limits = Limits()
+    if held.refused.limit == wire_limits.RPM:
+        limits = await key_limits(api_key)
+        held = replay_refusals.refusal(tenant_id, per_minute, now, limits.requests_per_minute)
+        if held is None:
+            return
+    held.unreported += 1
+    left = replace(held.refused, retry_after_s=max(1, math.ceil(held.until - now)))
+    raise refusal(left, limits, replays_per_minute=per_minute)
+
+
 async def count_replay(api_key: ApiKey) -> None:
     """Count a replay of a finished request (``wire.limits.replay_call``) against the
     tenant's ``REPLAYS_PER_MINUTE`` and its requests per minute, or raise ApiError 429
-    (``replays_exceeded``, ``rpm_exceeded``, with Retry-After); counts nothing when both
-    are unlimited."""
-    per_minute = int(broker.setting("REPLAYS_PER_MINUTE", REPLAYS_PER_MINUTE))
+    (``replays_exceeded``, ``rpm_exceeded``, with Retry-After), remembered for the tenant
+    until then (``refuse_remembered_replay``); counts nothing when both are unlimited."""
+    await refuse_remembered_replay(api_key)
+    per_minute = _replays_per_minute()
     limits = await key_limits(api_key)
     if per_minute <= 0 and limits.requests_per_minute is None:
         return
+    tenant_id = str(api_key.tenant_id)
+    earlier_code, earlier = replay_refusals.unreported(tenant_id)
     script, keys, args = wire_limits.replay_call(
-        str(api_key.tenant_id), now=time.time(),
-        replays_per_minute=per_minute if per_minute > 0 else None,
-        requests_per_minute=limits.requests_per_minute)
+        tenant_id, now=time.time(), replays_per_minute=per_minute if per_minute > 0 else None,
+        requests_per_minute=limits.requests_per_minute, earlier_code=earlier_code,
+        earlier_refusals=earlier)
     refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
                                                                      *args))
     if refused is not None:
+        replay_refusals.remember(tenant_id, refused, per_minute, limits.requests_per_minute,
+                                 time.monotonic())
         raise refusal(refused, limits, replays_per_minute=per_minute)
 
 
@@ -218,16 +328,19 @@ async def _release_when_back(tenant_id: str, request_id: str) -> None:
     log.warning("gave up releasing the slot of %s: it has expired by now", request_id)
 
 
-def take_resume_slot_sync(api_key: ApiKey, ttl_s: float, now: float | None = None) -> str:
+async def take_resume_slot(api_key: ApiKey, ttl_s: float) -> str:
     """A slot in the tenant's in-flight set for a resume (a reader of a request's events
-    holds one for as long as it reads), under ``max_concurrent``; raises ApiError 429.
+    holds one for as long as it reads), under ``max_concurrent``, on the event loop (the
+    database thread only for a key loaded over FRESH_KEY_S ago); raises ApiError 429.
     Returns the member, which expires after ``ttl_s`` unless ``renew_slot`` pushes it on;
     ``free_slot_quietly`` frees it at the end."""
-    now = time.time() if now is None else now
-    limits = key_limits_sync(api_key)
+    limits = await key_limits(api_key)
     member = f"{RESUME_SLOT_PREFIX}{uuid.uuid4().hex}"
-    refused = wire_limits.take_slot(broker.sync_client(), str(api_key.tenant_id), member,
-                                    limits.max_concurrent, now=now, ttl_s=max(1, math.ceil(ttl_s)))
+    script, keys, args = wire_limits.take_slot_call(
+        str(api_key.tenant_id), member, limits.max_concurrent, now=time.time(),
+        ttl_s=max(1, math.ceil(ttl_s)))
+    refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
+                                                                     *args))
     if refused is not None:
         raise refusal(refused, limits)
     return member

@@ -408,21 +408,28 @@ EXPIRED_GRACE_S = 5.0  # an unfinished request with no stream this long after it
 async def resume(api_key: ApiKey, row: InferenceRequest,
                  after: str) -> AsyncIterator[StreamEvent | None]:
     """The events of ``row`` after ``after`` (``follow``), for a client coming back; checked
-    before the first byte goes out. Raises ApiError: 404 ``events_expired`` at once when the
+    before the first byte goes out, the cheapest checks first. Raises ApiError: 429 at once
+    when it replays a finished request while this process remembers the tenant's replays
+    refused (``limits.refuse_remembered_replay``: no Redis); 404 ``events_expired`` when the
     stream is gone or will never come; 503 when this web process is full; 429
     ``too_many_streams`` past the tenant's share of this process's readers or the readers
     one request may have (``broker.take_place``); 429 when the tenant has
     ``max_concurrent`` requests and resumes already (a resume holds a slot in the tenant's
     in-flight set for as long as it reads); 429 when it replays a finished request past
-    the tenant's replay rate or requests per minute (``limits.count_replay``)."""
+    the tenant's replay rate or requests per minute (``limits.count_replay``: a replay
+    counts once it has its slot). None of it waits for the database thread (but for the
+    limits of a key loaded over a second ago)."""
     request_id = str(row.id)
+    replay = row.finished is not None  # a stored stream sent again: a request's worth
+    if replay:
+        await limits.refuse_remembered_replay(api_key)
     if not await broker.stream_exists(request_id) and _no_stream_coming(row):
         raise ApiError("events_expired", "The events of this request have expired.")
     tenant_id = str(api_key.tenant_id)
     place = broker.take_place(tenant_id, request_id)
     try:
-        member = await db.run(limits.take_resume_slot_sync, api_key, ttl_s=RESUME_SLOT_TTL_S)
-        if row.finished is not None:  # a replay of a stored stream: a request's worth
+        member = await limits.take_resume_slot(api_key, ttl_s=RESUME_SLOT_TTL_S)
+        if replay:
             try:
                 await limits.count_replay(api_key)
             except BaseException:

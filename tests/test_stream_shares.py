@@ -3,20 +3,35 @@ stand-in daemon: a tenant past its share of the process's readers (WEB_TENANT_ST
 429 ``too_many_streams`` while another tenant is served; the process's cap
 (WEB_MAX_STREAMS) is exact under a flood of concurrent resumes; one request has at most
 WEB_READERS_PER_REQUEST readers; replays of a finished request count against the tenant's
-replay rate (REPLAYS_PER_MINUTE) and its requests per minute. Small caps keep it cheap."""
+replay rate (REPLAYS_PER_MINUTE) and its requests per minute, and a refused replay is
+remembered by the web process until its Retry-After: the tenant's next replays are refused
+without Redis (its MONITOR sees no command about them), unless the limit that refused them
+is raised. Small caps keep it cheap."""
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import websockets
 
-from tests.live_service import Reply, StandIn, WebServer, echo, wait_until
-from tests.test_limits_http import assert_429, chat, make_tenant, shell
+from tests.live_service import (
+    TEST_REDIS_URL,
+    Reply,
+    StandIn,
+    WebServer,
+    echo,
+    redis_conn,
+    wait_until,
+)
+from tests.test_limits_http import assert_429, chat, make_tenant, set_limits, shell
+from wire import limits as wire_limits
 from wire import protocol
 
 pytestmark = pytest.mark.database  # live servers of this module's own
@@ -209,3 +224,91 @@ def test_replays_count_against_the_tenants_requests_per_minute(shares_web, stand
         read_to_end([replay])
     assert_429(web.request("GET", path, key=key, timeout=GUARD_S), "rpm_exceeded")
     assert_429(chat(web, standin, key), "rpm_exceeded")
+
+
+@contextmanager
+def redis_commands_naming(text: str) -> Iterator[list[str]]:
+    """The commands Redis runs on the test database while inside (its MONITOR, every
+    client's, scripts' own commands included) that name ``text``."""
+    url = redis_conn().connection_pool.connection_kwargs
+    db, seen, end = url.get("db", 0), [], f"end-{uuid.uuid4().hex}"
+    sock = socket.create_connection((url.get("host", "127.0.0.1"), url.get("port", 6379)),
+                                    timeout=GUARD_S)
+    sock.sendall(b"MONITOR\r\n")
+    started, ended = threading.Event(), threading.Event()
+
+    def read() -> None:
+        buffer = b""
+        while not ended.is_set():
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            *lines, buffer = (buffer + chunk).split(b"\r\n")
+            for line in lines:
+                started.set()  # +OK: monitoring from here
+                command = line.decode("utf-8", "replace")
+                if end in command:
+                    ended.set()
+                elif f"[{db} " in command and text in command:
+                    seen.append(command)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(GUARD_S), f"no MONITOR on {TEST_REDIS_URL}"
+    try:
+        yield seen
+    finally:
+        redis_conn().echo(end)  # after every command of the block: all of them are read
+        assert ended.wait(GUARD_S), "MONITOR did not see the block end"
+        sock.close()
+        reader.join(GUARD_S)
+
+
+def replay(web: WebServer, path: str, key: str) -> Reply:
+    return web.request("GET", path, key=key, timeout=GUARD_S)
+
+
+def test_a_refused_replay_is_remembered_until_its_retry_after(shares_web, standin):
+    """Past its replay rate, a tenant's replay is refused by the script (Redis runs it); its
+    next replays are refused alike by the web process alone until the Retry-After the script
+    gave (no Redis command names the tenant's replay window), each Retry-After what is left
+    of the first; the refusals so made are counted in Redis by the tenant's next script."""
+    web = shares_web
+    tenant_id, key = make_tenant(web)
+    window = wire_limits.replays_key(str(tenant_id))
+    path = finished_request(web, standin, key)
+    for _ in range(REPLAYS):
+        admitted = replay(web, path, key)
+        assert admitted.status == 200
+        read_to_end([admitted])
+    with redis_commands_naming(window) as seen:
+        first = replay(web, path, key)
+    assert_429(first, "replays_exceeded")
+    assert seen, "the first refusal is the script's"
+    with redis_commands_naming(window) as seen:
+        later = [replay(web, path, key) for _ in range(3)]
+    for reply in later:
+        assert_429(reply, "replays_exceeded")
+        assert int(reply.header("Retry-After")) <= int(first.header("Retry-After"))
+    assert seen == []
+    counted = wire_limits.refusal_counts(redis_conn(), str(tenant_id))
+    assert counted.get(wire_limits.REPLAYS_EXCEEDED) == 1  # the others: with the next script
+
+
+def test_a_raised_requests_per_minute_lets_the_next_replay_in(shares_web, standin):
+    """A replay refused for the tenant's requests per minute is remembered only under that
+    limit: raised, the tenant's next replay is admitted (within the second a key's limits
+    are cached), not refused until the old Retry-After."""
+    web = shares_web
+    tenant_id, key = make_tenant(web, requests_per_minute=2)
+    path = finished_request(web, standin, key)
+    admitted = replay(web, path, key)
+    assert admitted.status == 200
+    read_to_end([admitted])
+    refused = replay(web, path, key)
+    assert_429(refused, "rpm_exceeded")
+    assert int(refused.header("Retry-After")) > 5
+    set_limits(web, tenant_id, requests_per_minute=100)
+    again = wait_until(lambda: (r := replay(web, path, key)).status == 200 and r, timeout_s=10,
+                       step_s=0.3)
+    read_to_end([again])

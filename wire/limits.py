@@ -335,28 +335,41 @@ def admit_call(tenant_id: str, request_id: str, limits: Limits, *, now: float, r
 
 def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | None, *,
               now: float, ttl_s: int) -> Refused | None:
+    """``take_slot_call`` run with a synchronous client (see there)."""
+    script, keys, args = take_slot_call(tenant_id, member, max_concurrent, now=now, ttl_s=ttl_s)
+    return decision(client.eval(script, len(keys), *keys, *args))
+
+
+def take_slot_call(tenant_id: str, member: str, max_concurrent: int | None, *, now: float,
+                   ttl_s: int) -> tuple[str, list[str], list[Any]]:
     """A concurrency slot without tokens (a resume's reader) under ``max_concurrent``,
-    expiring ``ttl_s`` from ``now`` unless ``renew_slot`` pushes it on."""
+    expiring ``ttl_s`` from ``now`` unless ``renew_slot`` pushes it on. (script, keys, args)
+    for any client's ``eval``; ``decision`` reads its reply."""
     keys = [inflight_key(tenant_id), reserved_key(tenant_id), REFUSALS_HASH]
     args = [repr(now), member, repr(now + ttl_s), _arg(max_concurrent), ttl_s,
             CONCURRENCY_LIMITED]
-    return decision(client.eval(_TAKE_SLOT, len(keys), *keys, *args))
+    return _TAKE_SLOT, keys, args
 
 
 _COUNT_REPLAY = lua("count_replay")
 
 
 def replay_call(tenant_id: str, *, now: float, replays_per_minute: int | None,
-                requests_per_minute: int | None) -> tuple[str, list[str], list[Any]]:
+                requests_per_minute: int | None, earlier_code: str = "",
+                earlier_refusals: int = 0) -> tuple[str, list[str], list[Any]]:
     """Count a replay (a resume of a finished request: its stored stream sent again) in
     one atomic script: in the tenant's replay window under ``replays_per_minute``, and,
     when the tenant has a ``requests_per_minute`` limit, as a request in its requests
     window; or refuse it (``decision``: REPLAYS or RPM, OVER or TOO_BIG) and count nothing
-    but the refusal. None: unlimited. (script, keys, args) for any client's ``eval``."""
+    but the refusal. None: unlimited. ``earlier_refusals`` replays refused with
+    ``earlier_code`` without the script (a web process that remembered a refusal until its
+    Retry-After) are added to the refusal counters first. (script, keys, args) for any
+    client's ``eval``."""
     keys = [replays_key(tenant_id), rpm_key(tenant_id), REFUSALS_HASH,
             tenant_refusals_key(tenant_id)]
     args = [repr(now), WINDOW_S, WINDOW_KEY_TTL_S, _arg(replays_per_minute),
-            _arg(requests_per_minute), REPLAYS_EXCEEDED, RPM_EXCEEDED]
+            _arg(requests_per_minute), REPLAYS_EXCEEDED, RPM_EXCEEDED,
+            earlier_code if earlier_refusals > 0 else "", max(0, int(earlier_refusals))]
     return _COUNT_REPLAY, keys, args
 
 

@@ -15,12 +15,20 @@
 -- ARGV[5] rpm_limit         requests per window (-1: unlimited)
 -- ARGV[6] replays_code      the replay rate's refusal code
 -- ARGV[7] rpm_code          the requests per minute's refusal code
+-- ARGV[8] earlier_code      the code of refusals a web process made without this script
+-- ARGV[9] earlier_count     how many ('' and 0: none); counted first, whatever this one is
 -- Returns 'ok', or '<limit>:<how>:<retry after s>:<used>:0' (limits.decision reads it).
 local replays_key, rpm_key, refusals, tenant_refusals = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, window_s, key_ttl_s = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local replays_limit, rpm_limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local replays_code, rpm_code = ARGV[6], ARGV[7]
 local oldest = math.floor(now) - window_s  -- buckets from here on are in the window
+
+local earlier_code, earlier_count = ARGV[8], tonumber(ARGV[9])
+if earlier_count > 0 and earlier_code ~= '' then
+  redis.call('HINCRBY', refusals, earlier_code, earlier_count)
+  redis.call('HINCRBY', tenant_refusals, earlier_code, earlier_count)
+end
 
 local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
   local raw = redis.call('HGETALL', key)
