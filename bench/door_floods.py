@@ -14,8 +14,15 @@ after another; its latency is timed alone and under each flood, in alternating r
 Prints one JSON object: per phase the victim's median latency per round, the median ratio
 of flood to the baseline round next to it, and what the attackers got (statuses, rate).
 
+``--cost`` measures instead what one flood request costs the web process, with no victim:
+daphne's CPU seconds (utime + stime, /proc) over ``--cost-s`` seconds of each flood, per
+request answered then. ``models`` (``GET /v1/models`` with alpha's key, from 127.0.0.4) is
+the cheapest request with a key, for comparison; ``--replays-per-minute 1`` makes nearly
+every replay a refusal.
+
     DJANGO_SETTINGS_MODULE=tests.settings TEST_REDIS_URL=redis://127.0.0.1:6379/14 \\
         .venv/bin/python bench/door_floods.py --rounds 3
+    ... bench/door_floods.py --cost --only replays --replays-per-minute 1
 """
 from __future__ import annotations
 
@@ -117,16 +124,37 @@ def replays(port: int, target: dict, stop: threading.Event, seen: Counter) -> No
             conn = connection(port, "127.0.0.4")
 
 
-FLOODS = {"wrong_keys": wrong_keys, "replays": replays}
+def models(port: int, target: dict, stop: threading.Event, seen: Counter) -> None:
+    conn = connection(port, "127.0.0.4")
+    headers = {"Authorization": f"Bearer {target['key']}"}
+    while not stop.is_set():
+        try:
+            conn.request("GET", "/v1/models", headers=headers)
+            reply = conn.getresponse()
+            reply.read()
+            seen[reply.status] += 1
+        except (OSError, http.client.HTTPException):
+            seen["closed"] += 1
+            conn.close()
+            conn = connection(port, "127.0.0.4")
+
+
+FLOODS = {"wrong_keys": wrong_keys, "replays": replays, "models": models}
+ROUNDS = ("wrong_keys", "replays")  # the floods run against the victim unless --only
 
 
 def attacker(kind: str, port: int, target: dict, clients: int, done: Any,
-             results: multiprocessing.Queue) -> None:
+             results: multiprocessing.Queue, mark: Any = None) -> None:
     """One process of ``clients`` threads flooding until ``done`` is set (not the victim's
-    GIL); puts what they got and for how long."""
+    GIL); puts what they got and for how long, and what they had got when ``mark`` was set
+    (None without one)."""
     stop, seen = threading.Event(), Counter()
     threads = [threading.Thread(target=FLOODS[kind], args=(port, target, stop, seen),
                                 daemon=True) for _ in range(clients)]
+    at_mark: list[Counter] = []
+    if mark is not None:
+        threads.append(threading.Thread(target=lambda: mark.wait() or at_mark.append(
+            Counter(seen)), daemon=True))
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -134,7 +162,39 @@ def attacker(kind: str, port: int, target: dict, clients: int, done: Any,
     stop.set()
     for thread in threads:
         thread.join(60)
-    results.put(({str(k): v for k, v in seen.items()}, time.perf_counter() - started))
+    marked = {str(k): v for k, v in at_mark[0].items()} if at_mark else None
+    results.put(({str(k): v for k, v in seen.items()}, time.perf_counter() - started, marked))
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU seconds so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def flood_cost(web: WebServer, name: str, target: dict, args: argparse.Namespace) -> dict:
+    """What one request of the flood costs daphne, with no victim: its CPU over
+    ``args.cost_s`` seconds of the flood (after the ramp) per request answered then."""
+    spawn = multiprocessing.get_context("spawn")
+    results, done, mark = spawn.Queue(), spawn.Event(), spawn.Event()
+    flood = spawn.Process(target=attacker, args=(name, web.port, target, args.clients, done,
+                                                 results, mark))
+    flood.start()
+    time.sleep(args.ramp_s)
+    assert web.proc is not None
+    cpu_before, started = cpu_s(web.proc.pid), time.perf_counter()
+    mark.set()
+    time.sleep(args.cost_s)
+    cpu, seconds = cpu_s(web.proc.pid) - cpu_before, time.perf_counter() - started
+    done.set()
+    seen, _total_s, at_mark = results.get(timeout=120)
+    flood.join(60)
+    statuses = {k: v - (at_mark or {}).get(k, 0) for k, v in seen.items() if k != "bytes"}
+    answered = sum(v for k, v in statuses.items() if k != "closed")
+    return {"seconds": round(seconds, 1), "statuses": statuses,
+            "requests_per_s": round(answered / seconds, 1),
+            "cpu_ms_per_request": round(1000 * cpu / max(1, answered), 2),
+            "cpu_share": round(cpu / seconds, 2)}
 
 
 def finish_row(web: WebServer, request_id: str) -> None:
@@ -178,8 +238,16 @@ def main() -> None:
     parser.add_argument("--ramp-s", type=float, default=3.0,
                         help="seconds each flood runs before the victim starts")
     parser.add_argument("--only", choices=sorted(FLOODS), help="run this flood alone")
+    parser.add_argument("--cost", action="store_true",
+                        help="measure daphne's CPU per flood request instead (no victim)")
+    parser.add_argument("--cost-s", type=float, default=10.0)
+    parser.add_argument("--replays-per-minute", type=int,
+                        help="the server's REPLAYS_PER_MINUTE (default: its own, 60)")
     args = parser.parse_args()
-    web = WebServer().start()
+    web = WebServer()
+    if args.replays_per_minute is not None:
+        web.env["REPLAYS_PER_MINUTE"] = str(args.replays_per_minute)
+    web.start()
     standin = StandIn().start()
     stop_answering = threading.Event()
     try:
@@ -188,12 +256,17 @@ def main() -> None:
         victim_latencies(web, standin.model, 10)  # warm
         finish_row(web, request_id)
         targets = {"wrong_keys": {"model": standin.model},
-                   "replays": {"key": web.keys["owner"], "request_id": request_id}}
+                   "replays": {"key": web.keys["owner"], "request_id": request_id},
+                   "models": {"key": web.keys["owner"]}}
         result: dict = {"clients": args.clients, "tokens": args.tokens,
                         "victim_requests_per_round": args.requests}
         spawn = multiprocessing.get_context("spawn")
         for name, target in targets.items():
-            if args.only and name != args.only:
+            if name != args.only and (args.only or name not in ROUNDS):
+                continue
+            if args.cost:
+                result[name] = {"cost": flood_cost(web, name, target, args)}
+                print(json.dumps({name: result[name]}), flush=True)
                 continue
             rounds = []
             for _ in range(args.rounds):
@@ -205,7 +278,7 @@ def main() -> None:
                 time.sleep(args.ramp_s)  # the flood is on before the victim starts
                 under = victim_latencies(web, standin.model, args.requests)
                 done.set()
-                seen, seconds = results.get(timeout=120)
+                seen, seconds, _ = results.get(timeout=120)
                 flood.join(60)
                 ratio = statistics.median(under) / statistics.median(alone)
                 rounds.append({
