@@ -159,6 +159,8 @@ REFUSALS = {
                  "at once; wait for some to finish."),
     "unavailable": ("service_unavailable", "The web server is not answering; try again "
                     "shortly."),
+    "bad_request": ("invalid_request_error", "Your request could not be read (its head is "
+                    "malformed or too large)."),
 }
 
 
@@ -203,6 +205,7 @@ ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
     "408 = @timeout",
     "429 = @too_many",
     "502 504 = @unavailable",
+    "400 494 = @bad_request",
 ))
 
 
