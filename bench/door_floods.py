@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,53 +91,49 @@ def victim_latencies(web: WebServer, model: str, count: int) -> list[float]:
     return out
 
 
-def wrong_keys(port: int, target: dict, stop: threading.Event, seen: Counter) -> None:
-    conn = connection(port, "127.0.0.3")
-    body = json.dumps({"model": target["model"], "prompt": "x"})
+def closed_loop(port: int, source: str, stop: threading.Event, seen: Counter,
+                next_request: Callable[[], tuple[str, str, str | None, dict[str, str]]],
+                count_bytes: bool = False) -> None:
+    """One attacker: ``next_request()``'s (method, path, body, headers) sent again as soon
+    as it is answered, on a keep-alive connection from ``source``; statuses into ``seen``."""
+    conn = connection(port, source)
     while not stop.is_set():
-        prefix = "".join(secrets.choice(ALPHABET) for _ in range(10))
-        secret = "".join(secrets.choice(ALPHABET) for _ in range(43))
+        method, path, body, headers = next_request()
         try:
-            conn.request("POST", "/v1/completions", body=body, headers={
-                "Authorization": f"Bearer sk-{prefix}.{secret}",
-                "Content-Type": "application/json"})
+            conn.request(method, path, body=body, headers=headers)
             reply = conn.getresponse()
-            reply.read()
+            data = reply.read()
+            if count_bytes:
+                seen["bytes"] += len(data)
             seen[reply.status] += 1
         except (OSError, http.client.HTTPException):
             seen["closed"] += 1
             conn.close()
-            conn = connection(port, "127.0.0.3")
+            conn = connection(port, source)
+
+
+def wrong_keys(port: int, target: dict, stop: threading.Event, seen: Counter) -> None:
+    body = json.dumps({"model": target["model"], "prompt": "x"})
+
+    def request() -> tuple[str, str, str | None, dict[str, str]]:
+        prefix = "".join(secrets.choice(ALPHABET) for _ in range(10))
+        secret = "".join(secrets.choice(ALPHABET) for _ in range(43))
+        return "POST", "/v1/completions", body, {
+            "Authorization": f"Bearer sk-{prefix}.{secret}", "Content-Type": "application/json"}
+
+    closed_loop(port, "127.0.0.3", stop, seen, request)
 
 
 def replays(port: int, target: dict, stop: threading.Event, seen: Counter) -> None:
-    conn = connection(port, "127.0.0.4")
     headers = {"Authorization": f"Bearer {target['key']}", "Accept": "text/event-stream"}
-    while not stop.is_set():
-        try:
-            conn.request("GET", f"/v1/requests/{target['request_id']}/events", headers=headers)
-            reply = conn.getresponse()
-            seen["bytes"] += len(reply.read())
-            seen[reply.status] += 1
-        except (OSError, http.client.HTTPException):
-            seen["closed"] += 1
-            conn.close()
-            conn = connection(port, "127.0.0.4")
+    path = f"/v1/requests/{target['request_id']}/events"
+    closed_loop(port, "127.0.0.4", stop, seen, lambda: ("GET", path, None, headers),
+                count_bytes=True)
 
 
 def models(port: int, target: dict, stop: threading.Event, seen: Counter) -> None:
-    conn = connection(port, "127.0.0.4")
     headers = {"Authorization": f"Bearer {target['key']}"}
-    while not stop.is_set():
-        try:
-            conn.request("GET", "/v1/models", headers=headers)
-            reply = conn.getresponse()
-            reply.read()
-            seen[reply.status] += 1
-        except (OSError, http.client.HTTPException):
-            seen["closed"] += 1
-            conn.close()
-            conn = connection(port, "127.0.0.4")
+    closed_loop(port, "127.0.0.4", stop, seen, lambda: ("GET", "/v1/models", None, headers))
 
 
 FLOODS = {"wrong_keys": wrong_keys, "replays": replays, "models": models}
