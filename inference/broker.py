@@ -260,6 +260,11 @@ class ReaderPlace:
         self.release()
 
 
+# Reader places refused by this process, by code (too_many_streams, service_unavailable):
+# /metrics' llm_stream_refusals_total.
+place_refusals: dict[str, int] = {errors.TOO_MANY_STREAMS: 0, errors.SERVICE_UNAVAILABLE: 0}
+
+
 def take_place(tenant_id: str, request_id: str) -> ReaderPlace:
     """A place for one more reader of ``request_id`` (the tenant's), checked and counted in
     one step (no await between: concurrent readers never overshoot a cap). Raises ApiError
@@ -277,6 +282,7 @@ def take_place(tenant_id: str, request_id: str) -> ReaderPlace:
         raise _too_many(f"This request already has {readers} readers on this server, its "
                         "most at once; close one first.")
     if state.readers >= config.max_readers:
+        place_refusals[errors.SERVICE_UNAVAILABLE] += 1
         raise RedisBusy(f"This server is streaming {state.readers} requests, its most; "
                         "try again shortly.")
     state.readers += 1
@@ -296,6 +302,7 @@ def _leave_place(state: _LoopState, tenant_id: str, request_id: str) -> None:
 
 
 def _too_many(message: str) -> ApiError:
+    place_refusals[errors.TOO_MANY_STREAMS] += 1
     return ApiError(errors.TOO_MANY_STREAMS, message,
                     headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
                     retry_after_s=BUSY_RETRY_AFTER_S)

@@ -95,6 +95,13 @@ class DaemonCollector(Collector):
         for code in limits.QUEUE_REFUSAL_CODES:
             queue_refusals.add_metric([code], refusals.get(code, 0))
         yield queue_refusals
+        stream_refusals = CounterMetricFamily(
+            "llm_stream_refusals", "Streams and resumes this web process refused, by code: "
+            "a tenant's share of its streams or one request's readers (too_many_streams), or "
+            "all its streams (service_unavailable).", labels=["code"])
+        for code, count in sorted(broker.place_refusals.items()):
+            stream_refusals.add_metric([code], count)
+        yield stream_refusals
 
 
 def _route_metrics(models: list[str]) -> Metric:

@@ -55,7 +55,8 @@ BUDGET_EXCEEDED = CODES["budget_exceeded"].code
 QUEUE_FULL = CODES["queue_full"].code
 REPLAYS_EXCEEDED = CODES["replays_exceeded"].code
 TENANT_QUEUE_FULL = CODES["tenant_queue_full"].code
-REFUSAL_CODES = (RPM_EXCEEDED, TPM_EXCEEDED, CONCURRENCY_LIMITED, BUDGET_EXCEEDED)
+REFUSAL_CODES = (RPM_EXCEEDED, TPM_EXCEEDED, CONCURRENCY_LIMITED, BUDGET_EXCEEDED,
+                 REPLAYS_EXCEEDED)
 QUEUE_REFUSAL_CODES = (QUEUE_FULL, TENANT_QUEUE_FULL)  # the model queue's gate (wire/queue.py)
 
 # Which limit refused (the script names them so) -> the refusal's code.
