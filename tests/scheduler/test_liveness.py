@@ -182,6 +182,8 @@ class StuckSamplerEngine(FakeEngine):
 def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
     engine = StuckSamplerEngine()
     core = watched_core(engine)
+    ends: list[FinishedEvent] = []
+    core.listeners.append(lambda e: ends.append(e) if isinstance(e, FinishedEvent) else None)
     StuckSampler.release.clear()
     core.start()
     try:
@@ -194,7 +196,10 @@ def test_a_loop_stuck_in_one_requests_sampler_names_that_request():
         wait_until(lambda: core.clock.sampling_s() > 0.3)  # the sampler deadline's clock runs
         StuckSampler.release.set()
         wait_until(lambda: not core.loop_state()["stuck"])
-        assert core.loop_state()["stuck_on"] is None and core.scheduler.sampling is None
+        assert core.loop_state()["stuck_on"] is None
+        # the innocent request samples on after the release: once both are done, no sampling
+        wait_until(lambda: sorted(e.request_id for e in ends) == ["guilty#0", "innocent"])
+        assert in_thread(lambda: core.scheduler.sampling) is None
         assert core.clock.sampling_s() is None
     finally:
         StuckSampler.release.set()
