@@ -18,6 +18,9 @@ has no deadline for a request's head; nginx has both, and ``auth_request``:
   is cut after ``PROXY_BODY_TIMEOUT_S``; an idle keep-alive connection is closed after
   ``PROXY_KEEPALIVE_S``; a client that reads nothing for ``PROXY_SEND_TIMEOUT_S`` is cut;
 - one address has at most ``PROXY_CONNS_PER_ADDRESS`` requests in progress at once;
+- one key sends at most ``PROXY_REQUESTS_PER_S`` API requests a second (and one address as
+  many to the anonymous API), past a burst of ``PROXY_REQUEST_BURST``: a tenant's flood
+  (replays, refused requests) is refused by nginx before it costs daphne a thing;
 - nginx's own refusals are answered in the API's error shape, from ``wire/errors.py``.
 
 daphne then listens where only nginx reaches it (a unix socket in ``make run`` and the
@@ -52,6 +55,8 @@ PROXY_BODY_TIMEOUT_S = 10  # the longest pause between two reads of a body
 PROXY_KEEPALIVE_S = 30  # an idle keep-alive connection is closed after this
 PROXY_SEND_TIMEOUT_S = 60  # the longest pause of a client that does not read its answer
 PROXY_CONNS_PER_ADDRESS = 256  # requests in progress at once from one client address
+PROXY_REQUESTS_PER_S = 20  # API requests a second per key (anonymous API: per address)
+PROXY_REQUEST_BURST = 60  # requests past that rate let in at once (the first 20 undelayed)
 PROXY_WORKERS = 1  # nginx worker processes (one holds thousands of connections)
 # A refused request's body still arriving is read and dropped (never stored) this long at
 # most, so that the client sees the answer rather than a reset.
@@ -92,6 +97,8 @@ class ProxyConfig:
     keepalive_s: int = PROXY_KEEPALIVE_S
     send_timeout_s: int = PROXY_SEND_TIMEOUT_S
     conns_per_address: int = PROXY_CONNS_PER_ADDRESS
+    requests_per_s: int = PROXY_REQUESTS_PER_S
+    request_burst: int = PROXY_REQUEST_BURST
     workers: int = PROXY_WORKERS
     # addresses of proxies in front of this one whose X-Forwarded-For is believed
     trusted: tuple[str, ...] = field(default_factory=tuple)
@@ -112,6 +119,8 @@ class ProxyConfig:
             send_timeout_s=_env_int(env, "PROXY_SEND_TIMEOUT_S", PROXY_SEND_TIMEOUT_S),
             conns_per_address=_env_int(env, "PROXY_CONNS_PER_ADDRESS",
                                        PROXY_CONNS_PER_ADDRESS),
+            requests_per_s=_env_int(env, "PROXY_REQUESTS_PER_S", PROXY_REQUESTS_PER_S),
+            request_burst=_env_int(env, "PROXY_REQUEST_BURST", PROXY_REQUEST_BURST),
             workers=_env_int(env, "PROXY_WORKERS", PROXY_WORKERS),
             trusted=trusted,
         )
@@ -161,15 +170,21 @@ REFUSALS = {
                     "shortly."),
     "bad_request": ("invalid_request_error", "Your request could not be read (its head is "
                     "malformed or too large)."),
+    "not_allowed": ("method_not_allowed", "This HTTP method is not allowed here."),
+    "too_fast": ("requests_per_second_exceeded", "Too many requests a second with this key "
+                 "(or from this address without one); slow down."),
 }
+# limit_req's refusal, told apart from limit_conn's 429 (a status no client sees: @too_fast
+# answers 429)
+RATE_REFUSAL_STATUS = 430
 
 
 def _named_locations(cfg: ProxyConfig) -> str:
     blocks = []
     for name, (code, message) in REFUSALS.items():
         text = message.format(limit=cfg.max_body_bytes)
-        retry = '        add_header Retry-After 1 always;\n' if name in ("too_many",
-                                                                         "unavailable") else ""
+        retry = ('        add_header Retry-After 1 always;\n'
+                 if name in ("too_many", "too_fast", "unavailable") else "")
         blocks.append(f"    location @{name} {{\n        default_type application/json;\n"
                       f"{retry}{_refusal(code, text)}\n    }}\n")
     throttled_status, throttled = _error("auth_throttled", "Too many failed authentications "
@@ -205,7 +220,9 @@ ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
     "408 = @timeout",
     "429 = @too_many",
     "502 504 = @unavailable",
-    "400 494 = @bad_request",
+    "400 411 414 494 501 = @bad_request",
+    "405 = @not_allowed",
+    f"{RATE_REFUSAL_STATUS} = @too_fast",
 ))
 
 
@@ -245,6 +262,10 @@ def render(cfg: ProxyConfig) -> str:
                 '        default $scheme;\n        "1:https" https;\n    }\n')
     # Started by root, nginx runs its workers as nobody, who could not open daphne's socket
     # (mode 600): they run as the user who runs daphne, as they do when nginx is not root.
+    # past the rate, the first requests of a burst go at once, the rest wait their turn
+    delay = min(cfg.requests_per_s, cfg.request_burst)
+    anonymous_rate = (f"limit_req zone=anonymous_per_address burst={cfg.request_burst} "
+                      f"delay={delay};")
     user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
     return f"""# Written by config/proxy.py; edit the settings (docs/security.md), not this file.
 {user}worker_processes {cfg.workers};
@@ -283,6 +304,12 @@ http {{
     limit_conn per_address {cfg.conns_per_address};
     limit_conn_status 429;
     limit_conn_log_level warn;
+    # requests a second: per key on the keyed API (a request without one is refused by the
+    # key check; a wrong key's by the throttle), per address on the anonymous API
+    limit_req_zone $rate_key zone=per_key:10m rate={cfg.requests_per_s}r/s;
+    limit_req_zone $binary_remote_addr zone=anonymous_per_address:10m rate={cfg.requests_per_s}r/s;
+    limit_req_status {RATE_REFUSAL_STATUS};
+    limit_req_log_level warn;
 {real_ip}
     map $http_upgrade $connection_upgrade {{
         default upgrade;
@@ -291,6 +318,21 @@ http {{
     # what the key check looked at (an API key in either header)
     map $http_authorization$http_x_api_key $presented_key {{
         default $http_authorization$http_x_api_key;
+    }}
+    # the key a request's rate is counted under: the key check's (Authorization when sent,
+    # else X-Api-Key), its first run of printable characters, so that one key spelled with
+    # other spaces or a case of "Bearer" of its own is still one key
+    map $http_authorization $authorization_token {{
+        "~*^\\s*bearer\\s+(?<token>[!-~]{{1,128}})" $token;
+        default $http_authorization;
+    }}
+    map $http_x_api_key $api_key_token {{
+        "~^\\s*(?<token>[!-~]{{1,128}})" $token;
+        default $http_x_api_key;
+    }}
+    map $http_authorization $rate_key {{
+        "" $api_key_token;
+        default $authorization_token;
     }}
 
     upstream web {{
@@ -309,9 +351,11 @@ http {{
             internal;
             proxy_pass http://web{KEY_CHECK_PATH};
             # a throttled address's 403 (X-Accel-Expires: its Retry-After) is kept per
-            # address; nothing else is cached (no other answer says how long it holds)
+            # address and key: the same wrong key again is refused here alone, while a good
+            # key from that address (one behind the same NAT) is still asked about, and
+            # passes; nothing else is cached (no other answer says how long it holds)
             proxy_cache throttled;
-            proxy_cache_key $remote_addr;
+            proxy_cache_key $remote_addr$rate_key;
             proxy_cache_methods GET HEAD;
             proxy_http_version 1.1;
             proxy_pass_request_body off;
@@ -330,11 +374,14 @@ http {{
         }}
         # the API without a key: health, the schema, the docs, metrics (its own check)
         location ~ ^/v1/({anonymous})$ {{
+            {anonymous_rate}
 {_proxied(False)}        }}
         location = /metrics {{
+            {anonymous_rate}
 {_proxied(False)}        }}
         # the API: the key first, then the body
         location /v1/ {{
+            limit_req zone=per_key burst={cfg.request_burst} delay={delay};
             auth_request /_key_check;
             auth_request_set $key_refusal $upstream_http_x_refusal;
             auth_request_set $key_retry_after $upstream_http_retry_after;

@@ -168,6 +168,9 @@ class WebServer:
             "SECRET_KEY": "web-tests-" + uuid.uuid4().hex, "ACCEPT_TIMEOUT_S": "15",
             "LOG_LEVEL": "WARNING", "N_CTX": "2048", "N_PARALLEL": "2", "N_BATCH": "512",
             "RESUME_GRACE_S": "3",  # a dropped client's request is cancelled this soon
+            # tests send bursts of hundreds of requests with one key; the door's rate at its
+            # defaults is tested by tests/test_door.py and bench/door_floods.py
+            "PROXY_REQUESTS_PER_S": "100000", "PROXY_REQUEST_BURST": "100000",
         }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

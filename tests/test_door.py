@@ -323,30 +323,44 @@ def key_checks_seen(web: WebServer) -> int:
     return (web.tmp / "daphne.log").read_text(errors="replace").count("/v1/internal/key-check")
 
 
+def wrong_key_request(web: WebServer, source: str, key: str, claimed: str) -> tuple:
+    """(status, error code, Retry-After) of a POST with ``key`` claiming X-Forwarded-For."""
+    with connect(web, source) as sock:
+        sock.sendall(head("/v1/completions", {
+            "Content-Type": "application/json", "Content-Length": "2",
+            "Authorization": f"Bearer {key}", "X-Forwarded-For": claimed}) + b"{}")
+        status, headers, body = read_reply(sock)
+    return status, error_code(body), headers.get("retry-after", "")
+
+
 def test_a_wrong_key_flood_is_throttled_at_the_door_by_the_real_address(web):
     """Random well-formed keys from one address, each claiming another X-Forwarded-For:
-    past AUTH_FAILURES_PER_MINUTE the address gets 429 ``auth_throttled`` (Retry-After)
-    from the door itself, without daphne being asked again; another address is served."""
+    past AUTH_FAILURES_PER_MINUTE the address gets 429 ``auth_throttled`` (Retry-After);
+    one wrong key sent again is then refused by the door alone, from its cache, without
+    daphne being asked; a good key from that address (another client behind the same NAT)
+    is still served, and so is another address."""
+    assert web.request("GET", "/v1/models", key=web.keys["owner"]).status == 200  # in use
     statuses = []
     for i in range(FAILURES + 10):
-        with connect(web, "127.0.0.5") as sock:
-            sock.sendall(head("/v1/completions", {
-                "Content-Type": "application/json", "Content-Length": "2",
-                "Authorization": f"Bearer sk-{i:010d}.{'x' * 43}",
-                "X-Forwarded-For": f"10.0.0.{i % 250}"}) + b"{}")
-            status, headers, body = read_reply(sock)
-        statuses.append((status, error_code(body)))
+        status, code, retry_after = wrong_key_request(
+            web, "127.0.0.5", f"sk-{i:010d}.{'x' * 43}", f"10.0.0.{i % 250}")
+        statuses.append((status, code))
         if status == 429:
-            assert headers["retry-after"].isdigit()
-            if statuses.count((429, "auth_throttled")) == 1:
-                asked = key_checks_seen(web)
+            assert retry_after.isdigit()
     assert statuses[:FAILURES] == [(401, "invalid_api_key")] * FAILURES
     assert set(statuses[FAILURES:]) == {(429, "auth_throttled")}
-    assert key_checks_seen(web) == asked  # the door answered the rest alone
-    with connect(web, "127.0.0.6") as sock:
-        sock.sendall(head("/v1/models", {"Authorization": f"Bearer {web.keys['owner']}"},
-                          method="GET"))
-        assert read_reply(sock)[0] == 200
+    again = f"sk-{0:010d}.{'x' * 43}"
+    assert wrong_key_request(web, "127.0.0.5", again, "10.0.0.1")[:2] == (429, "auth_throttled")
+    asked = key_checks_seen(web)
+    for _ in range(5):
+        assert wrong_key_request(web, "127.0.0.5", again, "10.0.0.2")[:2] == (
+            429, "auth_throttled")
+    assert key_checks_seen(web) == asked  # the door answered these alone
+    for source in ("127.0.0.5", "127.0.0.6"):  # a key in use here a moment ago still works
+        with connect(web, source) as sock:
+            sock.sendall(head("/v1/models", {"Authorization": f"Bearer {web.keys['owner']}"},
+                              method="GET"))
+            assert read_reply(sock)[0] == 200, source
 
 
 def test_daphne_is_reached_only_through_the_door(web):
@@ -414,3 +428,81 @@ def test_forwarded_headers_are_believed_only_from_trusted_addresses(tmp_path):
         "127.0.0.1:1", "unix:/x", tmp_path, {"PROXY_TRUSTED_ADDRESSES": "10.0.0.0/8"}))
     assert "set_real_ip_from 10.0.0.0/8;" in trusted and "        10.0.0.0/8 1;" in trusted
     assert "X-Forwarded-Proto $forwarded_proto" in trusted
+
+
+def test_a_method_nginx_refuses_is_answered_in_the_api_shape(web):
+    """TRACE is refused by nginx itself (405): in the API's error shape, not nginx's HTML."""
+    for path in ("/v1/models", "/v1/health"):
+        with connect(web) as sock:
+            sock.sendall(head(path, {"Authorization": f"Bearer {web.keys['owner']}"},
+                              method="TRACE"))
+            status, _, body = read_reply(sock)
+        assert (status, error_code(body)) == (405, "method_not_allowed")
+
+
+# -- requests a second ------------------------------------------------------------------------
+
+RATE = 2  # PROXY_REQUESTS_PER_S of the rated server
+BURST = 4  # PROXY_REQUEST_BURST
+AT_ONCE = 24  # requests sent together, each from its own address (under the connection cap)
+
+
+@pytest.fixture(scope="module")
+def rated() -> Iterator[WebServer]:
+    """A server whose door lets RATE requests a second per key through, past a BURST."""
+    server = WebServer()
+    server.env.update({"PROXY_REQUESTS_PER_S": str(RATE), "PROXY_REQUEST_BURST": str(BURST)})
+    server.start()
+    yield server
+    server.stop()
+
+
+def burst(web: WebServer, path: str, headers: dict[str, str],
+          source: str | None = None) -> list[tuple[int, str, str]]:
+    """AT_ONCE requests sent together, each on its own connection (from its own address, or
+    all from ``source``): (status, error code or "", Retry-After) of each."""
+    socks = [connect(web, source or f"127.0.1.{i + 1}") for i in range(AT_ONCE)]
+    try:
+        for sock in socks:
+            sock.sendall(head(path, headers, method="GET"))
+        out = []
+        for sock in socks:
+            status, reply_headers, body = read_reply(sock)
+            out.append((status, error_code(body) if status >= 400 else "",
+                        reply_headers.get("retry-after", "")))
+        return out
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_one_key_past_its_rate_is_refused_at_the_door_and_another_key_is_served(rated):
+    """A key's burst past PROXY_REQUESTS_PER_S + PROXY_REQUEST_BURST is refused by nginx
+    (429 ``requests_per_second_exceeded``, Retry-After), whichever address sends it and
+    however the key is spelled; daphne never hears of the refused ones; another tenant's
+    key is served at the same moment."""
+    key = rated.keys["member"]
+    checks = key_checks_seen(rated)
+    spellings = [f"Bearer {key}", f"bearer   {key}  ", f"BEARER {key}"]
+    replies = []
+    for spelling in spellings:
+        replies += burst(rated, "/v1/models", {"Authorization": spelling})
+    served = [r for r in replies if r[0] == 200]
+    refused = [r for r in replies if r[0] == 429]
+    assert len(served) + len(refused) == len(replies)
+    assert len(served) <= len(spellings) * (BURST + 1 + RATE), replies  # a burst's share each
+    assert refused and {code for _, code, _ in refused} == {"requests_per_second_exceeded"}
+    assert {after for _, _, after in refused} == {"1"}
+    assert key_checks_seen(rated) - checks == len(served)  # the refused never reached daphne
+    time.sleep(1)
+    other = burst(rated, "/v1/models", {"Authorization": f"Bearer {rated.keys['outsider']}"})
+    assert sum(status == 200 for status, _, _ in other) >= BURST + 1
+
+
+def test_the_anonymous_api_has_a_rate_per_address(rated):
+    spread = burst(rated, "/v1/health", {})  # each from its own address: all served
+    assert {status for status, _, _ in spread} == {200}
+    one = burst(rated, "/v1/health", {}, source="127.0.2.1")
+    assert {(status, code) for status, code, _ in one} == {
+        (200, ""), (429, "requests_per_second_exceeded")}
+    assert sum(status == 200 for status, _, _ in one) <= BURST + 1 + RATE

@@ -58,6 +58,8 @@ CODES: dict[str, ErrorCode] = _codes(
     ("request_cancelled", 409, "cancelled before it had its answer (embeddings, tokenize)"),
     # limits
     ("rate_limited", 429, "too many requests"),
+    ("requests_per_second_exceeded", 429, "requests a second from one key (the anonymous API: "
+     "one address) over the door's rate (nginx)"),
     ("too_many_connections", 429, "too many requests in progress from one client address"),
     ("auth_throttled", 429, "too many failed key checks from one client address"),
     ("rpm_exceeded", 429, "requests per minute over the tenant's limit"),
