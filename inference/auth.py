@@ -65,6 +65,10 @@ FAILURES_PER_MINUTE = 30
 FAILURE_WINDOW_S = 60.0
 MAX_UNKNOWN_PREFIXES = 10_000  # the negative cache's size; the oldest go first
 MAX_TRACKED_ADDRESSES = 50_000  # addresses whose failures are counted; the quietest go first
+# Key lookups in progress at once from one address (checks of keys not cached here); past
+# it a check is refused for a second. Lookups of good keys at once (clients reconnecting
+# with nothing cached) are not failures: only this bounds them.
+PENDING_LOOKUPS_PER_ADDRESS = 64
 IPV6_NETWORK_BITS = 64  # an IPv6 client counts with its /64 (one subscriber's addresses)
 # The client address for key lookups from async code that has no request at hand (the
 # websocket's ``auth`` message): ApiKeyAuthMiddleware sets it for the connection.
@@ -156,44 +160,68 @@ class UnknownPrefixes:
 class FailedAuthThrottle:
     """Failed authentications per client address, in windows of ``FAILURE_WINDOW_S`` from
     each address's first failure; an address with ``AUTH_FAILURES_PER_MINUTE`` failures in
-    its window is refused until the window ends. A lookup counts as a failure from when it
-    is admitted until it succeeds, so concurrent lookups cannot overshoot the limit;
-    refusals are not counted (they cost nothing). At most ``MAX_TRACKED_ADDRESSES`` are
-    tracked, the longest quiet dropped first."""
+    its window is refused until the window ends. A lookup is admitted while the address has
+    fewer failures than that and fewer than ``PENDING_LOOKUPS_PER_ADDRESS`` lookups in
+    progress; it counts as a failure when it finds no usable key. So checks of good keys
+    at once (clients reconnecting after a restart, with nothing cached) are never refused
+    for being many, and one address makes at most limit - 1 + PENDING_LOOKUPS_PER_ADDRESS
+    lookups of wrong keys in a window. Refusals are not counted (they cost nothing). At most
+    ``MAX_TRACKED_ADDRESSES`` windows are kept, the longest quiet dropped first."""
 
     def __init__(self) -> None:
         self._windows: OrderedDict[str, list[float]] = OrderedDict()  # address: [start, count]
+        self._pending: dict[str, int] = {}  # address: lookups in progress
         self._lock = threading.Lock()
 
     def admit(self, address: str | None) -> int | None:
-        """Count one failure in advance for a check about to run; None when it may run,
-        else the seconds until the address may try again (nothing counted)."""
+        """Admit one check about to run (``finish`` ends it); None when it may run, else
+        the seconds until the address may try again."""
         limit = int(_setting("AUTH_FAILURES_PER_MINUTE", FAILURES_PER_MINUTE))
         if limit <= 0:
             return None
         key, now = client_key(address), time.monotonic()
         with self._lock:
-            window = self._windows.pop(key, None)
-            if window is None or now - window[0] >= FAILURE_WINDOW_S:
-                window = [now, 0]
-            self._windows[key] = window  # the most recent attempt last
+            window = self._window(key, now)
             if window[1] >= limit:
                 return max(1, math.ceil(window[0] + FAILURE_WINDOW_S - now))
-            window[1] += 1
-            while len(self._windows) > MAX_TRACKED_ADDRESSES:
-                self._windows.popitem(last=False)
+            pending = self._pending.get(key, 0)
+            if pending >= PENDING_LOOKUPS_PER_ADDRESS:
+                return 1  # the lookups in progress end within a second or so
+            self._pending[key] = pending + 1
         return None
 
-    def succeeded(self, address: str | None) -> None:
-        """An admitted check found a usable key: its failure is taken back."""
+    def finish(self, address: str | None, failed: bool) -> None:
+        """An admitted check ended: a failure when it found no usable key."""
+        key, now = client_key(address), time.monotonic()
         with self._lock:
-            window = self._windows.get(client_key(address))
-            if window is not None and window[1] > 0:
-                window[1] -= 1
+            left = self._pending.pop(key, 0) - 1
+            if left > 0:
+                self._pending[key] = left
+            if failed:
+                self._window(key, now)[1] += 1
+
+    def fail(self, address: str | None) -> int | None:
+        """A check that failed without a lookup (no key at all, a prefix known to be
+        unknown): counted, or refused as ``admit`` refuses (its Retry-After)."""
+        wait_s = self.admit(address)
+        if wait_s is None:
+            self.finish(address, failed=True)
+        return wait_s
+
+    def _window(self, key: str, now: float) -> list[float]:
+        """The address's window (a new one past FAILURE_WINDOW_S), now the most recent."""
+        window = self._windows.pop(key, None)
+        if window is None or now - window[0] >= FAILURE_WINDOW_S:
+            window = [now, 0]
+        self._windows[key] = window
+        while len(self._windows) > MAX_TRACKED_ADDRESSES:
+            self._windows.popitem(last=False)
+        return window
 
     def clear(self) -> None:
         with self._lock:
             self._windows.clear()
+            self._pending.clear()
 
 
 keys = KeyCache()
@@ -229,59 +257,80 @@ def client_key(address: str | None) -> str:
 
 @dataclass(slots=True)
 class _Ask:
-    """The database must say; ``counted``: a failure is already counted for the check."""
+    """The database must say; ``admitted``: by the throttle (``finish`` ends it)."""
 
-    counted: bool
+    admitted: bool
 
 
 def _before_database(raw: str, address: str | None) -> ApiKey | None | _Ask:
-    """What this process knows without a query: the cached key; None for a key known bad;
-    ``_Ask`` when the database must say. Every check but one of a key cached as good is
-    counted as a failure (taken back if it succeeds); raises ``AuthThrottled`` when the
-    address is refused."""
+    """What this process knows without a query: the cached key; None for a key known bad
+    (a failure counted); ``_Ask`` when the database must say. Every check but one of a key
+    cached as good passes the throttle first; raises ``AuthThrottled`` when the address is
+    refused."""
     found = keys.get(raw)
     if found:
         return found
     if keys.known(raw):  # a good key whose cached copy is over KEY_CACHE_S old
-        return _Ask(counted=False)
+        return _Ask(admitted=False)
+    parts = split_key(raw.strip())
+    if found is None or parts is None or parts[0] in unknown_prefixes:
+        wait_s = failures.fail(address)
+        if wait_s is not None:
+            raise AuthThrottled(wait_s)
+        return None
     wait_s = failures.admit(address)
     if wait_s is not None:
         raise AuthThrottled(wait_s)
-    parts = split_key(raw.strip())
-    if found is None or parts is None or parts[0] in unknown_prefixes:
-        return None
-    return _Ask(counted=True)
+    return _Ask(admitted=True)
 
 
 def _after_database(raw: str, address: str | None, ask: _Ask, found: Found) -> ApiKey | None:
     if found.api_key is not None:
         keys.put(found.api_key)
-        if ask.counted:
-            failures.succeeded(address)
+        if ask.admitted:
+            failures.finish(address, failed=False)
         return found.api_key
     parts = split_key(raw.strip())
     if parts is not None and not found.prefix_exists:
         unknown_prefixes.add(parts[0])
-    if not ask.counted:  # a key found good before, revoked since: a failure all the same
-        failures.admit(address)
+    if ask.admitted:
+        failures.finish(address, failed=True)
+    else:  # a key found good before, revoked since: a failure all the same
+        failures.fail(address)
     return None
+
+
+def _lookup_failed(address: str | None, ask: _Ask) -> None:
+    """The lookup itself raised (the database): the check ends, not counted as a failure."""
+    if ask.admitted:
+        failures.finish(address, failed=False)
 
 
 def lookup(raw: str, address: str | None = None) -> ApiKey | None:
     """The usable key for a plaintext key; from sync code (DRF's request thread). Raises
     ``AuthThrottled`` when ``address`` is refused."""
     found = _before_database(raw, address)
-    if isinstance(found, _Ask):
-        return _after_database(raw, address, found, db.call(find_key, raw))
-    return found
+    if not isinstance(found, _Ask):
+        return found
+    try:
+        row = db.call(find_key, raw)
+    except BaseException:
+        _lookup_failed(address, found)
+        raise
+    return _after_database(raw, address, found, row)
 
 
 async def check_key(raw: str, address: str | None) -> ApiKey | None:
     """``lookup`` for async code."""
     found = _before_database(raw, address)
-    if isinstance(found, _Ask):
-        return _after_database(raw, address, found, await db.run(find_key, raw))
-    return found
+    if not isinstance(found, _Ask):
+        return found
+    try:
+        row = await db.run(find_key, raw)
+    except BaseException:
+        _lookup_failed(address, found)
+        raise
+    return _after_database(raw, address, found, row)
 
 
 async def key_for(raw: str) -> ApiKey | None:
@@ -333,7 +382,7 @@ class ApiKeyAuthentication(BaseAuthentication):
 def _known_bad(address: str | None) -> None:
     """A credential that is no key at all (``Authorization: Basic ...``): refused without a
     query and counted as a failure, as a wrong key is."""
-    wait_s = failures.admit(address)
+    wait_s = failures.fail(address)
     if wait_s is not None:
         raise AuthThrottled(wait_s)
 

@@ -140,25 +140,59 @@ def test_an_ipv6_client_counts_with_its_64_and_ipv4_mapped_as_ipv4(api, parties,
                    **bearer(random_key())).status_code == 429
 
 
-def test_concurrent_checks_from_one_address_make_at_most_the_limit_of_lookups(
-        limit, fake_lookups):
-    """A check counts as a failure from when it is admitted, so checks running at once
-    cannot all pass the limit before any of them has failed."""
+PENDING = 8  # PENDING_LOOKUPS_PER_ADDRESS in the concurrency tests
+
+
+def at_once(check, n: int = 40) -> list[str]:
+    """``check()`` on n threads at once: "ok", "401" or "429" of each."""
     outcomes: list[str] = []
 
-    def check() -> None:
+    def one() -> None:
         try:
-            outcomes.append("401" if auth.lookup(random_key(), "192.0.2.60") is None else "ok")
+            outcomes.append("401" if check() is None else "ok")
         except auth.AuthThrottled:
             outcomes.append("429")
 
-    threads = [threading.Thread(target=check) for _ in range(40)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(fake_lookups) == limit
-    assert sorted(outcomes) == ["401"] * limit + ["429"] * (40 - limit)
+    return outcomes
+
+
+def test_concurrent_checks_of_wrong_keys_from_one_address_make_bounded_lookups(
+        limit, fake_lookups, monkeypatch):
+    """Lookups in progress at once are bounded per address, and none starts once the
+    address has its limit of failures: 40 wrong keys at once make at most
+    limit - 1 + PENDING lookups, and the address is throttled after them."""
+    monkeypatch.setattr(auth, "PENDING_LOOKUPS_PER_ADDRESS", PENDING)
+    outcomes = at_once(lambda: auth.lookup(random_key(), "192.0.2.60"))
+    assert limit <= len(fake_lookups) <= limit - 1 + PENDING
+    assert sorted(outcomes) == ["401"] * len(fake_lookups) + ["429"] * (40 - len(fake_lookups))
+    with pytest.raises(auth.AuthThrottled):
+        auth.lookup(random_key(), "192.0.2.60")
+
+
+def test_concurrent_checks_of_a_good_key_with_nothing_cached_are_not_throttled(
+        parties, limit, monkeypatch):
+    """Clients reconnecting at once from one address after a restart (no key cached): more
+    checks than the failure limit, all looked up, none refused, nothing counted against
+    the address."""
+    auth.keys.forget()
+    row = ApiKey.objects.get(prefix=parties.owner_key.prefix)
+
+    def find_key(raw: str) -> Found:
+        time.sleep(0.05)  # the checks overlap here
+        return Found(row, True)
+
+    monkeypatch.setattr(auth, "find_key", find_key)
+    monkeypatch.setattr(auth.keys, "get", lambda raw: False)  # every check asks
+    assert at_once(lambda: auth.lookup(parties.owner, "192.0.2.61"), n=4 * limit) == (
+        ["ok"] * 4 * limit)
+    monkeypatch.undo()
+    for _ in range(limit - 1):  # the address's failures start from none
+        assert auth.lookup(random_key(), "192.0.2.61") is None
 
 
 def test_the_window_ends_and_a_good_lookup_gives_its_count_back(parties, limit, monkeypatch):
