@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -149,6 +150,9 @@ class _LoopState:
     readers: int = 0  # places held (``take_place``)
     tenant_readers: dict[str, int] = field(default_factory=dict)  # tenant id -> places
     request_readers: dict[str, int] = field(default_factory=dict)  # request id -> places
+    # (tenant id, request id) of places dropped unreleased, queued by their finalizers (on
+    # any thread) for the loop, which gives them back before it next reads the counts
+    dropped: deque[tuple[str, str]] = field(default_factory=deque)
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
@@ -235,23 +239,27 @@ def reader(request_id: str, after: str = "0-0") -> Iterator[Follower]:
 class ReaderPlace:
     """A reader's place in this process, counted for the process, its tenant and its
     request until ``release``: once, however often it is called (a ``with`` block, a
-    ``finally``); a place dropped unreleased (a reply nobody iterated) is released when it
-    is collected."""
+    ``finally``). A place dropped unreleased (a reply nobody iterated) is given back once it
+    is collected: its finalizer, which may run on any thread (cyclic GC), only queues it
+    (``_LoopState.dropped``); the counts change on the event loop alone."""
 
-    __slots__ = ("tenant_id", "request_id", "_release", "__weakref__")
+    __slots__ = ("tenant_id", "request_id", "_state", "_dropped", "__weakref__")
 
     def __init__(self, state: _LoopState, tenant_id: str, request_id: str) -> None:
         self.tenant_id = tenant_id
         self.request_id = request_id
-        self._release = weakref.finalize(self, _leave_place, state, tenant_id, request_id)
-        self._release.atexit = False
+        self._state = state
+        self._dropped = weakref.finalize(self, state.dropped.append, (tenant_id, request_id))
+        self._dropped.atexit = False
 
     @property
     def held(self) -> bool:
-        return self._release.alive
+        return self._dropped.alive
 
     def release(self) -> None:
-        self._release()
+        """Give the place back now (on its event loop); a no-op once given back."""
+        if self._dropped.detach() is not None:
+            _leave_place(self._state, self.tenant_id, self.request_id)
 
     def __enter__(self) -> ReaderPlace:
         return self
@@ -271,7 +279,7 @@ def take_place(tenant_id: str, request_id: str) -> ReaderPlace:
     429 ``too_many_streams`` when the tenant holds its share of the process's places
     (``tenant_readers``) or the request has ``request_readers`` readers already, RedisBusy
     (503) when the process holds ``max_readers``."""
-    state = _state()
+    state = _counted_state()
     config = state.config
     tenant = state.tenant_readers.get(tenant_id, 0)
     if tenant >= config.tenant_readers:
@@ -289,6 +297,14 @@ def take_place(tenant_id: str, request_id: str) -> ReaderPlace:
     state.tenant_readers[tenant_id] = tenant + 1
     state.request_readers[request_id] = readers + 1
     return ReaderPlace(state, tenant_id, request_id)
+
+
+def _counted_state() -> _LoopState:
+    """The running loop's state, the places dropped since its last count given back."""
+    state = _state()
+    while state.dropped:  # only the loop pops; finalizers only append (deque: thread-safe)
+        _leave_place(state, *state.dropped.popleft())
+    return state
 
 
 def _leave_place(state: _LoopState, tenant_id: str, request_id: str) -> None:
@@ -310,7 +326,7 @@ def _too_many(message: str) -> ApiError:
 
 def open_readers(tenant_id: str | None = None) -> int:
     """Reader places held in this process now (the tenant's, with ``tenant_id``)."""
-    state = _state()
+    state = _counted_state()
     return state.readers if tenant_id is None else state.tenant_readers.get(tenant_id, 0)
 
 

@@ -300,8 +300,11 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             raise invalid("last_event_id", "last_event_id must be a stream entry id such as 1-0.")
         row = await service.owned_row(self.api_key.tenant, request_id)
         events = await service.resume(self.api_key, row, after)  # 404 expired, 429, 503
-        run.request_id = request_id
-        await self._relay(client_id, request_id, events)
+        try:  # its place and slot, held from the resume to the end of its events
+            run.request_id = request_id
+            await self._relay(client_id, request_id, events)
+        finally:  # also when cancelled before _relay started them
+            await events.aclose()
 
     async def _relay(self, client_id: Any, request_id: str,
                      events: AsyncIterator[StreamEvent | None]) -> None:

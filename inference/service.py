@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
@@ -305,26 +305,62 @@ async def vocab_end(submission: Submission) -> StreamEvent:
     return collected.final
 
 
-async def events(submission: Submission) -> AsyncIterator[StreamEvent | None]:
+class ReaderEvents:
+    """A reader's events (``events``, ``resume``) with what it holds while it reads: its
+    place in this process (``broker.take_place``) and a resume's slot (tenant id, member).
+    Both are given back when the events end or fail, or when it is closed (``aclose``),
+    started or not: a reader cancelled before its first read (as ``CancelIfAbandoned``
+    enters) gives them back at once, not when it is collected."""
+
+    def __init__(self, events: AsyncGenerator[StreamEvent | None, None],
+                 place: broker.ReaderPlace | None, slot: tuple[str, str] | None = None) -> None:
+        self._events = events
+        self._place = place
+        self._slot = slot
+
+    def __aiter__(self) -> ReaderEvents:
+        return self
+
+    async def __anext__(self) -> StreamEvent | None:
+        try:
+            return await anext(self._events)
+        except BaseException:  # the end, or a failure: nothing more is read
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Close the events; give the place and the slot back (once)."""
+        try:
+            await self._events.aclose()
+        finally:
+            if self._place is not None:
+                self._place.release()
+            slot, self._slot = self._slot, None
+            if slot is not None:
+                await limits.free_slot_quietly(*slot)
+
+
+def events(submission: Submission) -> ReaderEvents:
     """The submission's first event, then the rest of its stream (see ``follow``); its
-    reader's place is given back at the end."""
-    try:
-        yield submission.first
-        if submission.first.is_terminal:
-            metrics.observe_end(submission.first.data, submission.first.kind)
-            return
-        daemon_id = submission.first.data.get("daemon_id")
-        assert submission.first.entry_id is not None
-        rest = follow(submission.request_id, submission.first.entry_id, submission.model,
-                      daemon_id, resuming=False)
-        async with aclosing(rest):
-            async for event in rest:
-                if event is not None and event.is_terminal:
-                    # once per submission, never on resumes
-                    metrics.observe_end(event.data, event.kind)
-                yield event
-    finally:
-        submission.release()
+    reader's place is given back at the end, or when they are closed (``ReaderEvents``)."""
+    return ReaderEvents(_events(submission), submission.place)
+
+
+async def _events(submission: Submission) -> AsyncGenerator[StreamEvent | None, None]:
+    yield submission.first
+    if submission.first.is_terminal:
+        metrics.observe_end(submission.first.data, submission.first.kind)
+        return
+    daemon_id = submission.first.data.get("daemon_id")
+    assert submission.first.entry_id is not None
+    rest = follow(submission.request_id, submission.first.entry_id, submission.model,
+                  daemon_id, resuming=False)
+    async with aclosing(rest):
+        async for event in rest:
+            if event is not None and event.is_terminal:
+                # once per submission, never on resumes
+                metrics.observe_end(event.data, event.kind)
+            yield event
 
 
 async def follow(request_id: str, after: str, model: str, daemon_id: str | None = None,
@@ -405,8 +441,7 @@ EXPIRED_GRACE_S = 5.0  # an unfinished request with no stream this long after it
 # timeout never got one: nobody took it and the web that queued it is gone
 
 
-async def resume(api_key: ApiKey, row: InferenceRequest,
-                 after: str) -> AsyncIterator[StreamEvent | None]:
+async def resume(api_key: ApiKey, row: InferenceRequest, after: str) -> ReaderEvents:
     """The events of ``row`` after ``after`` (``follow``), for a client coming back; checked
     before the first byte goes out, the cheapest checks first. Raises ApiError: 429 at once
     when it replays a finished request while this process remembers the tenant's replays
@@ -438,8 +473,8 @@ async def resume(api_key: ApiKey, row: InferenceRequest,
     except BaseException:
         place.release()
         raise
-    events = follow(request_id, after, row.model)
-    return _holding_slot(events, tenant_id, member, place)
+    events = _renewing_slot(follow(request_id, after, row.model), tenant_id, member)
+    return ReaderEvents(events, place, (tenant_id, member))
 
 
 def _no_stream_coming(row: InferenceRequest) -> bool:
@@ -449,23 +484,16 @@ def _no_stream_coming(row: InferenceRequest) -> bool:
     return age > settings.ACCEPT_TIMEOUT_S + EXPIRED_GRACE_S
 
 
-async def _holding_slot(events: AsyncIterator[StreamEvent | None], tenant_id: str,
-                        member: str, place: broker.ReaderPlace
-                        ) -> AsyncIterator[StreamEvent | None]:
-    """``events``, renewing the resume's slot while they last and freeing it and the
-    reader's place at the end (a reader that never starts leaves a slot that expires in
-    RESUME_SLOT_TTL_S, and its place goes back when it is collected)."""
+async def _renewing_slot(events: AsyncGenerator[StreamEvent | None, None], tenant_id: str,
+                         member: str) -> AsyncGenerator[StreamEvent | None, None]:
+    """``events``, renewing the resume's slot while they last (``ReaderEvents`` frees it)."""
     renewed = time.monotonic()
-    try:
-        async with aclosing(events) as stream:
-            async for event in stream:
-                if time.monotonic() - renewed >= RESUME_SLOT_RENEW_S:
-                    renewed = time.monotonic()
-                    await limits.renew_slot(tenant_id, member, RESUME_SLOT_TTL_S)
-                yield event
-    finally:
-        place.release()
-        await limits.free_slot_quietly(tenant_id, member)
+    async with aclosing(events) as stream:
+        async for event in stream:
+            if time.monotonic() - renewed >= RESUME_SLOT_RENEW_S:
+                renewed = time.monotonic()
+                await limits.renew_slot(tenant_id, member, RESUME_SLOT_TTL_S)
+            yield event
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,10 +517,21 @@ async def collect(submission: Submission, n: int = 1) -> Collected:
     return collected
 
 
-async def collect_events(request_id: str, stream_of: AsyncIterator[StreamEvent | None],
+async def collect_events(request_id: str,
+                         stream_of: ReaderEvents | AsyncGenerator[StreamEvent | None, None],
                          n: int = 1) -> Collected | None:
     """The text of ``stream_of``'s ``n`` choices and its terminal event, read while the
-    request is held (``CancelIfAbandoned``); None when it ended without one."""
+    request is held (``CancelIfAbandoned``); None when it ended without one. ``stream_of``
+    is closed on every way out."""
+    try:
+        return await _collect(request_id, stream_of, n)
+    finally:  # also when cancelled before _collect started it: a ReaderEvents' place goes back
+        await stream_of.aclose()
+
+
+async def _collect(request_id: str,
+                   stream_of: ReaderEvents | AsyncGenerator[StreamEvent | None, None],
+                   n: int) -> Collected | None:
     parts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     async with CancelIfAbandoned(request_id), aclosing(stream_of) as stream:

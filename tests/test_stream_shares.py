@@ -10,6 +10,7 @@ is raised. Small caps keep it cheap."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -17,10 +18,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import websockets
+from django.utils import timezone
 
+from inference import broker, consumers, service, watch
 from tests.live_service import (
     TEST_REDIS_URL,
     Reply,
@@ -312,3 +316,105 @@ def test_a_raised_requests_per_minute_lets_the_next_replay_in(shares_web, standi
     again = wait_until(lambda: (r := replay(web, path, key)).status == 200 and r, timeout_s=10,
                        step_s=0.3)
     read_to_end([again])
+
+
+# -- a reader's place, in process (no server) ---------------------------------------------
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """No cyclic GC inside: a place given back is given back by the code, not its finalizer."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.fixture
+def guard_never_enters(monkeypatch) -> asyncio.Event:
+    """Every ``CancelIfAbandoned`` waits for ever in its entry (as on its Redis write);
+    the event is set once one has begun to."""
+    entered = asyncio.Event()
+
+    async def enter(self: watch.Watching) -> watch.Watching:
+        entered.set()
+        await asyncio.Event().wait()
+        return self
+
+    monkeypatch.setattr(watch.Watching, "__aenter__", enter)
+    return entered
+
+
+async def cancel_once_in(task: asyncio.Task, entered: asyncio.Event) -> None:
+    await asyncio.wait_for(entered.wait(), GUARD_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.asyncio
+async def test_a_collected_reply_cancelled_before_its_first_read_gives_its_place_back(
+        no_gc, guard_never_enters):
+    """A whole reply cancelled while its guard enters (its events not started yet): the
+    place goes back as the task ends, not when (if ever) the place is collected."""
+    tenant, request_id = f"t-{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+    accepted = broker.StreamEvent("1-0", protocol.ACCEPTED, {"daemon_id": "d"})
+    submission = service.Submission(request_id, "completion", "m", 0, accepted,
+                                    broker.take_place(tenant, request_id))
+    task = asyncio.create_task(service.collect(submission))
+    await cancel_once_in(task, guard_never_enters)
+    assert broker.open_readers(tenant) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_websocket_resume_cancelled_before_its_first_read_gives_its_place_back(
+        no_gc, guard_never_enters, monkeypatch):
+    """A websocket resume cancelled while its guard enters: its place and its slot go back
+    as the task ends."""
+    tenant, request_id = f"t-{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+    row = SimpleNamespace(id=request_id, finished=None, model="m", created=timezone.now())
+    freed: list[tuple[str, str]] = []
+
+    async def owned_row(_tenant: object, _request_id: str) -> SimpleNamespace:
+        return row
+
+    async def stream_exists(_request_id: str) -> bool:
+        return True
+
+    async def take_resume_slot(_api_key: object, ttl_s: float) -> str:
+        return "slot-1"
+
+    async def free_slot_quietly(tenant_id: str, member: str) -> None:
+        freed.append((tenant_id, member))
+
+    monkeypatch.setattr(service, "owned_row", owned_row)
+    monkeypatch.setattr(broker, "stream_exists", stream_exists)
+    monkeypatch.setattr(service.limits, "take_resume_slot", take_resume_slot)
+    monkeypatch.setattr(service.limits, "free_slot_quietly", free_slot_quietly)
+    consumer = consumers.StreamConsumer()
+    consumer.api_key = SimpleNamespace(tenant_id=tenant, tenant=None)
+    task = asyncio.create_task(consumer._resume(1, consumers._Running(),
+                                                {"request_id": request_id}))
+    await asyncio.wait_for(guard_never_enters.wait(), GUARD_S)
+    assert broker.open_readers(tenant) == 1
+    await cancel_once_in(task, guard_never_enters)
+    assert broker.open_readers(tenant) == 0
+    assert freed == [(tenant, "slot-1")]
+
+
+@pytest.mark.asyncio
+async def test_a_place_collected_off_the_loop_is_given_back_on_it():
+    """Cyclic GC may collect a place nobody released on any thread (the web's database
+    thread): its finalizer does not touch the loop's counts there (a read-modify-write
+    racing ``take_place``); the loop gives the place back when it next counts."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    cycle: list[object] = [broker.take_place(tenant, str(uuid.uuid4()))]
+    cycle.append(cycle)
+    state = broker._state()
+    del cycle
+    collector = threading.Thread(target=gc.collect)
+    collector.start()
+    collector.join(GUARD_S)
+    assert state.tenant_readers.get(tenant) == 1  # not changed off the loop
+    assert broker.open_readers(tenant) == 0
