@@ -125,18 +125,21 @@ class ReplayRefusals:
     no Redis and no database work, while the script's windows stay the truth (nothing is
     ever admitted here). A refusal for the tenant's requests per minute holds only while
     that limit is unchanged; one for the replay rate only while ``REPLAYS_PER_MINUTE`` is.
-    The refusals made here are added to Redis's counters by the tenant's next script call.
+    The refusals made here are added to Redis's counters by the tenant's next script calls
+    (one code per call); until then they are only ever added to, never replaced.
     One per web process, used on its event loop only."""
 
     def __init__(self) -> None:
         self._remembered: dict[str, RememberedRefusal] = {}
-        self._unreported: dict[str, tuple[str, int]] = {}  # tenant: (code, refusals)
+        self._unreported: dict[str, dict[str, int]] = {}  # tenant: {code: refusals}
 
     def remember(self, tenant_id: str, refused: wire_limits.Refused, per_minute: int,
                  rpm: int | None, now: float) -> None:
         """The script refused the tenant's replay, ``refused.retry_after_s`` from ``now``."""
         if len(self._remembered) >= MAX_REMEMBERED_TENANTS:
             self._drop_expired(now)
+        if tenant_id in self._remembered:  # a concurrent replay's refusal: keep its count
+            self._forget(tenant_id)
         self._remembered[tenant_id] = RememberedRefusal(
             refused, now + refused.retry_after_s, per_minute, rpm)
 
@@ -155,9 +158,21 @@ class ReplayRefusals:
         return held
 
     def unreported(self, tenant_id: str) -> tuple[str, int]:
-        """(code, count) of the refusals made here that Redis has not counted yet; they are
-        handed over (the caller passes them to the script)."""
-        return self._unreported.pop(tenant_id, ("", 0))
+        """(code, count) of refusals of one code made here that Redis has not counted yet
+        (("", 0): none); they are handed over (the caller passes them to the script, and
+        ``put_back`` if the script fails)."""
+        counts = self._unreported.get(tenant_id)
+        if not counts:
+            return "", 0
+        code = next(iter(counts))
+        count = counts.pop(code)
+        if not counts:
+            del self._unreported[tenant_id]
+        return code, count
+
+    def put_back(self, tenant_id: str, code: str, count: int) -> None:
+        """Refusals handed over by ``unreported`` that the script did not count."""
+        self._add(tenant_id, code, count)
 
     def clear(self) -> None:
         self._remembered.clear()
@@ -165,8 +180,13 @@ class ReplayRefusals:
 
     def _forget(self, tenant_id: str) -> None:
         held = self._remembered.pop(tenant_id)
-        if held.unreported:  # the next script call hands them over (one refusal's at most)
-            self._unreported[tenant_id] = (held.refused.code, held.unreported)
+        self._add(tenant_id, held.refused.code, held.unreported)  # for the next script call
+
+    def _add(self, tenant_id: str, code: str, count: int) -> None:
+        if count <= 0:
+            return
+        counts = self._unreported.setdefault(tenant_id, {})
+        counts[code] = counts.get(code, 0) + count
         if len(self._unreported) > MAX_REMEMBERED_TENANTS:
             self._unreported.clear()  # counters for /metrics: a bound before exactness
 
@@ -222,8 +242,12 @@ async def count_replay(api_key: ApiKey) -> None:
         tenant_id, now=time.time(), replays_per_minute=per_minute if per_minute > 0 else None,
         requests_per_minute=limits.requests_per_minute, earlier_code=earlier_code,
         earlier_refusals=earlier)
-    refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
-                                                                     *args))
+    try:
+        reply = await broker.async_client().eval(script, len(keys), *keys, *args)
+    except BaseException:  # not counted (or its reply lost): the next call hands them over
+        replay_refusals.put_back(tenant_id, earlier_code, earlier)
+        raise
+    refused = wire_limits.decision(reply)
     if refused is not None:
         replay_refusals.remember(tenant_id, refused, per_minute, limits.requests_per_minute,
                                  time.monotonic())

@@ -6,12 +6,14 @@ made under; the refusals made from it reach Redis's counters with the tenant's n
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 
 from inference import broker, limits
 from inference.errors import ApiError
@@ -107,3 +109,66 @@ async def test_a_remembered_refusal_runs_no_script(settings, monkeypatch, redis_
     assert await replay() == wire_limits.REPLAYS_EXCEEDED  # the window is still full
     assert len(scripts) == 4
     assert wire_limits.refusal_counts(redis_client, t) == {wire_limits.REPLAYS_EXCEEDED: 4}
+
+
+def test_a_refusal_replacing_another_keeps_its_unreported_refusals():
+    """Replays A and B pass the memo and wait for the script; A's refusal is remembered and
+    refuses C from memory; B's refusal then replaces A's: C's refusal is still handed over."""
+    memo, t = limits.ReplayRefusals(), "t3"
+    memo.remember(t, refused(), PER_MINUTE, None, now=0.0)  # A's
+    memo.refusal(t, PER_MINUTE, now=1.0).unreported += 1  # C
+    memo.remember(t, refused(), PER_MINUTE, None, now=1.0)  # B's
+    assert memo.refusal(t, PER_MINUTE, now=10.0) is None
+    assert memo.unreported(t) == (wire_limits.REPLAYS_EXCEEDED, 1)
+    assert memo.unreported(t) == ("", 0)
+
+
+def test_unreported_refusals_are_added_to_until_handed_over():
+    """A refusal forgotten while an earlier one's refusals wait for a script call: both
+    counts are handed over, in one sum per code, one code per call."""
+    memo, t = limits.ReplayRefusals(), "t4"
+    memo.remember(t, refused(), PER_MINUTE, None, now=0.0)
+    memo.refusal(t, PER_MINUTE, now=1.0).unreported += 2
+    assert memo.refusal(t, PER_MINUTE, now=10.0) is None  # forgotten: 2 wait
+    memo.remember(t, refused(), PER_MINUTE, None, now=10.0)
+    memo.refusal(t, PER_MINUTE, now=11.0).unreported += 3
+    assert memo.refusal(t, PER_MINUTE, now=20.0) is None  # forgotten: 3 more
+    memo.remember(t, refused(wire_limits.RPM), PER_MINUTE, 3, now=20.0)
+    memo.refusal(t, PER_MINUTE, now=21.0, rpm=3).unreported += 1
+    assert memo.refusal(t, PER_MINUTE, now=30.0, rpm=3) is None
+    handed = {memo.unreported(t), memo.unreported(t)}
+    assert handed == {(wire_limits.REPLAYS_EXCEEDED, 5), (wire_limits.RPM_EXCEEDED, 1)}
+    assert memo.unreported(t) == ("", 0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failure", ["redis_error", "cancelled"])
+async def test_refusals_handed_to_a_failed_script_call_are_handed_over_again(
+        failure, settings, monkeypatch, redis_client):
+    """Two refusals made from memory wait for the tenant's next script call; that call
+    fails (Redis errs, or the replay is cancelled as it waits): the next one counts them."""
+    settings.REPLAYS_PER_MINUTE = PER_MINUTE
+    t = f"t-{uuid.uuid4().hex[:12]}"
+    memo, real, calling = limits.replay_refusals, broker.async_client, asyncio.Event()
+    memo.remember(t, refused(), PER_MINUTE, None, now=time.monotonic())
+    memo.refusal(t, PER_MINUTE, now=time.monotonic()).unreported += 2
+    assert memo.refusal(t, PER_MINUTE, now=time.monotonic() + 60) is None  # forgotten
+
+    class Failing:
+        async def eval(self, *args: Any) -> Any:
+            calling.set()
+            if failure == "redis_error":
+                raise redis.ConnectionError("away")
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(broker, "async_client", Failing)
+    replay = asyncio.create_task(limits.count_replay(a_key(t)))
+    await asyncio.wait_for(calling.wait(), 5)
+    if failure == "cancelled":
+        replay.cancel()
+    with pytest.raises(asyncio.CancelledError if failure == "cancelled"
+                       else redis.ConnectionError):
+        await replay
+    monkeypatch.setattr(broker, "async_client", real)
+    await limits.count_replay(a_key(t))  # admitted, and the two counted
+    assert wire_limits.refusal_counts(redis_client, t) == {wire_limits.REPLAYS_EXCEEDED: 2}
