@@ -255,7 +255,9 @@ async def _sse(formatter: Formatter,
     # of them in a row
     every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
     idle, ended = 0, False
-    async with service.CancelIfAbandoned(formatter.request_id), aclosing(events) as stream:
+    # the events are closed last: a task cancelled while the guard enters gives back their
+    # reader place (service.ReaderEvents) at once, not when they are collected
+    async with aclosing(events) as stream, service.CancelIfAbandoned(formatter.request_id):
         yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
         async for event in stream:
             if event is None:

@@ -19,7 +19,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
 from dataclasses import dataclass
 
 import redis
@@ -68,14 +67,9 @@ class Replay:
     first: StreamEvent
     rest: AsyncIterator[StreamEvent | None]
 
-    async def events(self) -> AsyncIterator[StreamEvent | None]:
+    def events(self) -> ReplayEvents:
         """Every event from the first, as ``service.events`` gives a fresh submission's."""
-        async with aclosing(self.rest) as rest:
-            yield self.first
-            if self.first.is_terminal:
-                return
-            async for event in rest:
-                yield event
+        return ReplayEvents(self.first, self.rest)
 
     async def collect(self, n: int = 1) -> service.Collected:
         """All text and the terminal event (``service.collect``'s twin)."""
@@ -83,6 +77,39 @@ class Replay:
         if collected is not None:
             return collected
         raise ApiError(errors.INFERENCE_INTERRUPTED, "The request's events ended early.")
+
+
+class ReplayEvents:
+    """A retry's events: its first event, then the rest of its stream; closing them
+    (``aclose``) closes the rest, started or not, so a reader cancelled before its first
+    read gives its place back at once (``service.ReaderEvents``)."""
+
+    def __init__(self, first: StreamEvent, rest: AsyncIterator[StreamEvent | None]) -> None:
+        self._first: StreamEvent | None = first
+        self._rest = rest
+        self._ended = first.is_terminal
+
+    def __aiter__(self) -> ReplayEvents:
+        return self
+
+    async def __anext__(self) -> StreamEvent | None:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        if self._ended:
+            await self.aclose()
+            raise StopAsyncIteration
+        try:
+            return await anext(self._rest)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        self._ended = True
+        close = getattr(self._rest, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def key_digest(headers: Mapping[str, str]) -> str | None:

@@ -24,7 +24,7 @@ import pytest
 import websockets
 from django.utils import timezone
 
-from inference import broker, consumers, service, watch
+from inference import api_views, broker, consumers, idempotency, service, watch
 from tests.live_service import (
     TEST_REDIS_URL,
     Reply,
@@ -417,4 +417,38 @@ async def test_a_place_collected_off_the_loop_is_given_back_on_it():
     collector.start()
     collector.join(GUARD_S)
     assert state.tenant_readers.get(tenant) == 1  # not changed off the loop
+    assert broker.open_readers(tenant) == 0
+
+
+def placed_submission() -> tuple[str, service.Submission]:
+    """A tenant and a submission holding a reader place of its (no server: first event only)."""
+    tenant, request_id = f"t-{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+    accepted = broker.StreamEvent("1-0", protocol.ACCEPTED, {"daemon_id": "d"})
+    return tenant, service.Submission(request_id, "completion", "m", 0, accepted,
+                                      broker.take_place(tenant, request_id))
+
+
+@pytest.mark.asyncio
+async def test_an_sse_stream_cancelled_before_its_first_read_gives_its_place_back(
+        no_gc, guard_never_enters):
+    """The SSE body cancelled while its guard enters (the events not started): the place
+    goes back as the task ends."""
+    tenant, submission = placed_submission()
+    formatter = SimpleNamespace(request_id=submission.request_id, chunks=lambda event: [])
+    body = api_views._sse(formatter, service.events(submission))
+    task = asyncio.create_task(anext(body))
+    await cancel_once_in(task, guard_never_enters)
+    assert broker.open_readers(tenant) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_idempotent_retry_cancelled_before_its_first_read_gives_its_place_back(
+        no_gc, guard_never_enters):
+    """A retry's replay of the original request (idempotency.Replay) cancelled while the
+    guard enters: closing its events closes the stream they wrap, started or not."""
+    tenant, submission = placed_submission()
+    replay = idempotency.Replay(submission.request_id, "completion", "m", 0, submission.first,
+                                service.events(submission))
+    task = asyncio.create_task(replay.collect())
+    await cancel_once_in(task, guard_never_enters)
     assert broker.open_readers(tenant) == 0
