@@ -9,9 +9,10 @@ has no deadline for a request's head; nginx has both, and ``auth_request``:
   checked by a body-less subrequest to ``/v1/internal/key-check`` (``inference/auth.py``'s
   ``key_check``): a missing, unknown or throttled key is refused before one byte of the
   body is read (what a client sends anyway is read and dropped, never stored or passed on);
-- an address the key check throttles (too many failed keys) is refused by nginx itself,
-  from a cache of that answer keyed by the address, for as long as its Retry-After says:
-  a flood of wrong keys costs daphne nothing once it is throttled;
+- an address the key check throttles (too many failed keys) and that keeps sending them (a
+  flood) is refused by nginx itself, from a cache of that answer keyed by the address, for
+  as long as its Retry-After says: a flood of wrong keys costs daphne nothing once it is
+  throttled;
 - no body is read past ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (Django's own limit, the same
   number), with or without a key, chunked or not;
 - a request head must arrive within ``PROXY_HEADER_TIMEOUT_S``; a body that stops arriving
@@ -350,12 +351,10 @@ http {{
         location = /_key_check {{
             internal;
             proxy_pass http://web{KEY_CHECK_PATH};
-            # a throttled address's 403 (X-Accel-Expires: its Retry-After) is kept per
-            # address and key: the same wrong key again is refused here alone, while a good
-            # key from that address (one behind the same NAT) is still asked about, and
-            # passes; nothing else is cached (no other answer says how long it holds)
+            # a flooding address's 403 (X-Accel-Expires: its Retry-After) is kept per
+            # address; nothing else is cached (no other answer says how long it holds)
             proxy_cache throttled;
-            proxy_cache_key $remote_addr$rate_key;
+            proxy_cache_key $remote_addr;
             proxy_cache_methods GET HEAD;
             proxy_http_version 1.1;
             proxy_pass_request_body off;

@@ -165,11 +165,13 @@ class FailedAuthThrottle:
     progress; it counts as a failure when it finds no usable key. So checks of good keys
     at once (clients reconnecting after a restart, with nothing cached) are never refused
     for being many, and one address makes at most limit - 1 + PENDING_LOOKUPS_PER_ADDRESS
-    lookups of wrong keys in a window. Refusals are not counted (they cost nothing). At most
+    lookups of wrong keys in a window. Refusals cost no lookup; they are counted to tell a
+    flood (``flooding``) from a client that keeps retrying a wrong key. At most
     ``MAX_TRACKED_ADDRESSES`` windows are kept, the longest quiet dropped first."""
 
     def __init__(self) -> None:
-        self._windows: OrderedDict[str, list[float]] = OrderedDict()  # address: [start, count]
+        # address: [window start, failures, refusals since the limit]
+        self._windows: OrderedDict[str, list[float]] = OrderedDict()
         self._pending: dict[str, int] = {}  # address: lookups in progress
         self._lock = threading.Lock()
 
@@ -183,6 +185,7 @@ class FailedAuthThrottle:
         with self._lock:
             window = self._window(key, now)
             if window[1] >= limit:
+                window[2] += 1
                 return max(1, math.ceil(window[0] + FAILURE_WINDOW_S - now))
             pending = self._pending.get(key, 0)
             if pending >= PENDING_LOOKUPS_PER_ADDRESS:
@@ -208,11 +211,21 @@ class FailedAuthThrottle:
             self.finish(address, failed=True)
         return wait_s
 
+    def flooding(self, address: str | None) -> bool:
+        """The address, throttled, has been refused as many times again in its window as
+        it may fail: a flood, not a client retrying one wrong key. The door then refuses
+        it alone, every key from that address, until the window ends (``key_check``)."""
+        limit = int(_setting("AUTH_FAILURES_PER_MINUTE", FAILURES_PER_MINUTE))
+        with self._lock:
+            window = self._windows.get(client_key(address))
+            return (limit > 0 and window is not None
+                    and time.monotonic() - window[0] < FAILURE_WINDOW_S and window[2] >= limit)
+
     def _window(self, key: str, now: float) -> list[float]:
         """The address's window (a new one past FAILURE_WINDOW_S), now the most recent."""
         window = self._windows.pop(key, None)
         if window is None or now - window[0] >= FAILURE_WINDOW_S:
-            window = [now, 0]
+            window = [now, 0, 0]
         self._windows[key] = window
         while len(self._windows) > MAX_TRACKED_ADDRESSES:
             self._windows.popitem(last=False)
@@ -420,7 +433,11 @@ async def key_check(request: HttpRequest) -> HttpResponse:
     The key comes from ``Authorization: Bearer`` or ``X-Api-Key``. 204: a usable key; 401
     with ``X-Refusal: invalid_api_key``: none, or not usable; 403 with ``X-Refusal:
     auth_throttled`` and Retry-After: the address is throttled (auth_request passes only
-    2xx, 401 and 403 on; the proxy writes the API's error body from ``X-Refusal``)."""
+    2xx, 401 and 403 on; the proxy writes the API's error body from ``X-Refusal``). Once
+    the throttled address floods (``FailedAuthThrottle.flooding``), the 403 carries
+    ``X-Accel-Expires``: the door keeps it for the address until the window ends and asks
+    no more; before, each check is answered here, so a good key this process knows still
+    passes from that address (another client behind the same NAT)."""
     address = request.META.get("REMOTE_ADDR")
     header = request.headers.get("Authorization", "")
     token = bearer_token(header) if header else request.headers.get(API_KEY_HEADER, "").strip()
@@ -431,8 +448,8 @@ async def key_check(request: HttpRequest) -> HttpResponse:
         response = HttpResponse(status=403)
         response["X-Refusal"] = AUTH_THROTTLED
         response["Retry-After"] = str(refused.wait)
-        # the door keeps this answer for the address that long (config/proxy.py)
-        response["X-Accel-Expires"] = str(refused.wait)
+        if failures.flooding(address):  # the door keeps this answer for the address that long
+            response["X-Accel-Expires"] = str(refused.wait)
         return response
     if api_key is None:
         response = HttpResponse(status=401)

@@ -337,10 +337,28 @@ def test_key_check_answers_403_for_a_throttled_address_but_passes_a_cached_key(
         assert reply.status_code == 403
         assert reply["X-Refusal"] == "auth_throttled"
         assert 1 <= int(reply["Retry-After"]) <= 60
+        assert "X-Accel-Expires" not in reply  # not a flood yet: the door asks again
         assert client.get(KEY_CHECK, **bearer(parties.owner)).status_code == 204
     assert queries.captured_queries == []
     assert Client(REMOTE_ADDR="192.0.2.93").get(
         KEY_CHECK, **bearer(parties.member)).status_code == 204
+
+
+def test_key_check_tells_the_door_to_keep_its_refusal_once_the_address_floods(
+        parties, limit):
+    """A throttled address refused as many times again as it may fail is flooding: the
+    403 then carries X-Accel-Expires (its Retry-After), the door's cue to answer the
+    address alone until the window ends."""
+    client = Client(REMOTE_ADDR="192.0.2.95")
+    for _ in range(limit):
+        assert client.get(KEY_CHECK, **bearer(random_key())).status_code == 401
+    for _ in range(limit - 1):
+        assert "X-Accel-Expires" not in client.get(KEY_CHECK, **bearer(random_key()))
+    reply = client.get(KEY_CHECK, **bearer(random_key()))
+    assert reply.status_code == 403
+    assert reply["X-Accel-Expires"] == reply["Retry-After"]
+    other = Client(REMOTE_ADDR="192.0.2.96").get(KEY_CHECK, **bearer(random_key()))
+    assert other.status_code == 401 and "X-Accel-Expires" not in other
 
 
 def test_key_check_needs_no_csrf_token_and_sets_no_cookie(parties):
