@@ -51,6 +51,7 @@ import django  # noqa: E402
 
 django.setup()
 
+from config import proxy  # noqa: E402
 from tests.live_service import StandIn, WebServer  # noqa: E402
 from wire import protocol  # noqa: E402
 
@@ -137,7 +138,7 @@ def models(port: int, target: dict, stop: threading.Event, seen: Counter) -> Non
 
 
 FLOODS = {"wrong_keys": wrong_keys, "replays": replays, "models": models}
-ROUNDS = ("wrong_keys", "replays")  # the floods run against the victim unless --only
+ROUNDS = ("wrong_keys", "replays", "models")  # the floods run against the victim unless --only
 
 
 def attacker(kind: str, port: int, target: dict, clients: int, done: Any,
@@ -240,8 +241,16 @@ def main() -> None:
     parser.add_argument("--cost-s", type=float, default=10.0)
     parser.add_argument("--replays-per-minute", type=int,
                         help="the server's REPLAYS_PER_MINUTE (default: its own, 60)")
+    parser.add_argument("--requests-per-s", type=int, default=proxy.PROXY_REQUESTS_PER_S,
+                        help="the door's PROXY_REQUESTS_PER_S (default: its own, "
+                        f"{proxy.PROXY_REQUESTS_PER_S}; 100000: no rate)")
+    parser.add_argument("--request-burst", type=int, default=proxy.PROXY_REQUEST_BURST,
+                        help="the door's PROXY_REQUEST_BURST (default: its own, "
+                        f"{proxy.PROXY_REQUEST_BURST})")
     args = parser.parse_args()
     web = WebServer()
+    web.env.update({"PROXY_REQUESTS_PER_S": str(args.requests_per_s),
+                    "PROXY_REQUEST_BURST": str(args.request_burst)})
     if args.replays_per_minute is not None:
         web.env["REPLAYS_PER_MINUTE"] = str(args.replays_per_minute)
     web.start()
