@@ -1,4 +1,4 @@
-"""The web side of the Redis wire (key names and shapes: ``scheduler_daemon/protocol.py``).
+"""The web side of the Redis wire (key names and shapes: ``wire/protocol.py``).
 
 Async functions serve the streaming views and the websocket consumer (``redis.asyncio``,
 one client per event loop); the ``*_sync`` ones serve plain DRF views (health, models,

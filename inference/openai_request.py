@@ -1,9 +1,9 @@
 """Checking an OpenAI-style request body before anything is queued.
 
-Sampling fields are checked by ``wire.sampling`` and chat messages by
-``scheduler_daemon.chat`` (pure Python, no llama_cpp), so the web refuses exactly what the
-daemon would. Every refusal is a 400 naming the field. The list of accepted fields is in
-docs/api.md; anything else is refused as ``unknown_parameter``.
+Sampling fields are checked by ``wire.sampling`` and chat messages by ``wire.messages``
+(pure Python, no llama_cpp), so the web refuses exactly what the daemon would. Every
+refusal is a 400 naming the field. The list of accepted fields is in docs/api.md; anything
+else is refused as ``unknown_parameter``.
 
 Text must be valid Unicode (no lone surrogates) wherever it enters, and what may reach the
 database (``session``/``user``) has no NUL character (PostgreSQL text cannot hold one). A

@@ -34,11 +34,12 @@ drives llama.cpp's work below a limit:
 Everything llama.cpp's parser rejects is rejected here as well (its error path prints the
 grammar text to stderr, outside the daemon's log sink), so a grammar only reaches
 llama.cpp when it parses there: checked by ``tests/scheduler/test_grammar_check.py``
-(differential tests against llama.cpp in a subprocess) and, while writing it, by ~150,000
-generated grammars (last run, final code: 40,000, of which 6,719 accepted, every one
-parsed by llama.cpp without the process dying). The checker is stricter
-in places (left recursion through nullable rules, ``<name>`` tokens, a reference to an
-undefined rule that ``x{0}`` deletes, repetition counts above ``MAX_REPETITION``).
+(differential tests against llama.cpp in a subprocess) and by generated grammars fuzzed
+against it (``bench/results/grammar_fuzz-2026-12-05.txt``: every accepted one parses in
+llama.cpp without the process dying).
+The checker is stricter in places (left recursion through nullable rules, ``<name>``
+tokens, a reference to an undefined rule that ``x{0}`` deletes, repetition counts above
+``MAX_REPETITION``).
 
 JSON schemas are bounded before ``json_schema_to_gbnf`` runs (that converter turns
 ``maxLength: n`` into n nested groups and ``minItems: n`` into n copies): nesting depth,
@@ -47,80 +48,25 @@ quantifiers, and the magnitude of numeric bounds. The GBNF it produces goes thro
 ``check_grammar`` as well (``engine.grammar_for``): the converter can still emit a large
 grammar, or one llama.cpp refuses (a pattern's ``\\.`` is copied as an unknown escape).
 
-Measured (llama-cpp-python 0.3.36 and its vendored llama.cpp, Gemma 3 270M vocabulary,
-``llama_sampler_init_grammar`` in throwaway subprocesses; 8 MiB stacks, the default for
-the main thread and for Python threads here; times on a loaded 2-core machine where a
-bare Python loop runs ~4x slower than usual):
-
-* group nesting ``((((...))))``: survives 18,647 levels, SIGSEGV at 18,803 (~440 bytes of
-  native stack per level; with a 256 KiB thread stack: 566 / 571). The json_schema
-  ``maxLength: n`` grammar nests n groups: same threshold; the issue's ``maxLength:
-  100000`` is an 800 KB grammar, SIGSEGV. ``MAX_NESTING = 512`` (~225 KiB of stack, 36x
-  inside); parse 0.4 ms.
-* a chain of rules each starting with the next (the left-recursion scan recurses once per
-  rule): survives 24,897, SIGSEGV at 25,093; ``MAX_LEFT_DEPTH = 1024`` parses in 0.8 ms.
-  When each rule leaves a continuation on the stack (``r1 ::= r2 "x"``) llama.cpp copies
-  ever longer stacks: 1,000 rules 12-40 ms, 4,096 0.26 s, 10,000 1.6 s; 400 rules
-  (160,000 stack-steps) 14 ms: ``MAX_ADVANCE_WORK = 250_000``.
-* ``x{5,3}``: llama.cpp generates rules forever (2^64 - 2 of them): std::bad_alloc after
-  21 s under a 3 GiB cap, the OOM killer without one. ``x{2001}`` is refused, ``x{0,5000}``
-  silently becomes ``x*``. ``MAX_REPETITION = 1000`` with m <= n.
-* expansion: ten 1,000-character literals each ``{2000}`` (10 KB of grammar) are 20 million
-  elements: 1.85 s and >160 MB. ``MAX_ELEMENTS = 200_000``: 3-24 ms.
-  ``MAX_RULES = 4096`` (json.gbnf has 78 after expansion).
-* ``r_i ::= r_i+1 "x" | r_i+1 "y"`` for 30 levels (1 KB): 2^30 initial stacks. 2^10
-  stacks: 3.7 ms, 2^14: 1.3 s, 2^16: 25 s, 2^18: over 120 s. The left-recursion scan alone
-  (behind a literal, no stacks): 2^22 walks 0.27 s. ``MAX_ADVANCE_STATES = 4096``,
-  ``MAX_LEFT_SCAN_WORK = 1_000_000`` (a grammar scanned ~1 M steps parses in 17-18 ms).
-* the per-token cost of a grammar sampler over the full 262,144-token vocabulary grows
-  with the stacks at that point: json.gbnf 40-100 ms (12 stacks at most); a rule with S
-  alternatives: S=16 1.9x json.gbnf, 32 4.4x, 64 5.4x, 128 6.9x, 256 14x.
-  ``MAX_STACKS = 128`` (so an enum of at most 128 values).
-* left recursion llama.cpp misses (``root ::= n root "x" | "y"``, ``n ::= m``,
-  ``m ::= "" | "z"``): SIGABRT (bad_alloc in llama_grammar_advance_stack) at init, or a
-  hang at the first character when the recursion sits behind one.
-* ``MAX_GRAMMAR_BYTES = 64 KiB``: llama.cpp parses the largest accepted grammars in
-  0.1-9 ms; this checker takes 1-70 ms for them (Python; its verdicts are cached, so the
-  daemon's second look at a grammar is free).
-* json_schema_to_gbnf: ``minLength`` 10^7 -> 50 MB of grammar in 1.5 s, 10^8 -> 500 MB in
-  15 s; ``minItems`` 10^7 -> 180 MB in 3.3 s. ``MAX_SCHEMA_COUNT = 1000`` (5 KB),
-  ``MAX_SCHEMA_OPTIONAL = 256`` (nested groups, inside ``MAX_NESTING``). n optional
-  properties cost O(n^2): 128 -> 21 ms, 256 -> 0.2 s, 900 -> 3.2 s, 2000 ->
-  RecursionError: ``MAX_SCHEMA_PROPERTIES = 128``. Nested arrays: depth 100 -> 78 KB of
-  grammar (rule names grow with depth), 300 -> MemoryError: ``MAX_SCHEMA_DEPTH = 64``
-  (values, counting lists and maps).
+Each limit below is set from a measurement of llama.cpp (what it survives, how its time
+grows); docs/security.md, "Grammar limits and what sets them", has the table.
 
 What the sampler does per token is priced too (``wire/grammar_cost.py``): llama.cpp checks
 each vocabulary token against each *path* of parse stacks, character by character, and
 equal stacks reached along different paths are not merged, so an ambiguous repetition
 (issue 31: ``root ::= item+``, ``item ::= c0 | ... | c15``, each ``ck ::= [a-z ]``) costs
-about 16^n per token of n characters and held the daemon's loop in
+about 16^n per token of n characters and holds the daemon's loop in
 ``llama_sampler_apply`` for minutes. The pricing runs llama.cpp's stacks over the
 grammar's character classes for strings of up to 32 characters (the longest token pieces)
 from ``root``, from every recursive rule and from every reference inside an alternative
 that ``root`` reaches (a bounded repetition ``item{12}`` is such a chain, behind a prefix of
 any length), weights the worst string of each length by
 how many tokens of that length the served vocabularies have, and refuses a grammar whose
-estimate passes ``MAX_SAMPLING_VISITS`` (2 * 10^9 (stack, token) visits). Estimates:
-json.gbnf 3.2e8 (its ``[0-9] | [1-9] [0-9]{0,15}`` matches a digit two ways, so "1,1,1"
-doubles the paths per element; the vocabularies split digits, so its real cost is 40-100
-ms a token), schema and tool-call grammars 2e6-3e8, ``[a-z ]* [a-z ]*`` 1.8e7, four
-such 2.5e8; the issue's grammar with 2, 4 or 16 alternatives passes 10^12. The limit is
-calibrated against llama.cpp's grammar sampler over the whole vocabulary
-(``bench/grammar_fuzz.py --sampler``, CPU per token, Gemma 3 / SmolLM2, loaded 2-core
-machine): ``[a-z ]*`` repeated m times, m = 1..8, estimates 3.5e6, 1.8e7, 7.0e7, 2.5e8,
-8.0e8 (accepted) and 2.6e9, 8.4e9, 2.9e10 (refused) cost 39, 46, 58, 84, 132 and 235, 458,
-981 ms on Gemma (8-15 ms on SmolLM2; a one-literal grammar costs ~35 ms on Gemma: the
-vocabulary's own walk); alternatives of one class under ``+`` with k = 3 or 4, and
-``((([a-z ]+)+)+)+``, stay inside one call for over 5 s (estimates above 10^17). So the
-most expensive grammar accepted costs ~130 ms of CPU per token on Gemma, about a tenth of
-the 1-2 s a tick may take here; the estimate is an upper bound (30x above the real work for
-the polynomial ladder, far more for exponential grammars), so the limit stays at 2e9
-rather than following any one family. The pricing itself stops at ``MAX_PRICING_WORK``
-steps (refused as too ambiguous to price): json.gbnf takes ~61,000 (12-15 ms of CPU on
-this loaded machine), the 32 KB schema grammar of the tests ~43,000 (9-11 ms), arrays
-nested 64 deep ~95,000 (16-19 ms), and a grammar that exhausts the budget stops within
-~140 ms.
+estimate passes ``MAX_SAMPLING_VISITS`` (2 * 10^9 (stack, token) visits). The estimate is
+an upper bound of the real work; the limit is calibrated against llama.cpp's grammar
+sampler over the whole vocabulary (docs/security.md; its CPU per token on both models in
+``bench/results/grammar_fuzz-2026-12-05.txt``).
+The pricing itself stops at ``MAX_PRICING_WORK`` steps (refused as too ambiguous to price).
 
 This module imports neither llama_cpp nor Django: the web calls it while parsing requests.
 """
@@ -137,7 +83,7 @@ from typing import Any
 from . import grammar_cost
 from .errors import InvalidParameter
 
-# -- limits (see the measurements above) --------------------------------------------------
+# -- limits (docs/security.md says what sets each) ----------------------------------------
 
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_NESTING = 512

@@ -556,7 +556,7 @@ do
     mine = mine + redis.call('ZCARD', KEYS[{g + 4}])
     if mine >= share then
       -- its own jobs at the fleet's drain rate: nothing of other tenants' queues goes into
-      -- it (scaled by the tenants waiting, it let a tenant count them)
+      -- it, so a refusal's Retry-After cannot tell a tenant how many others have work queued
       return refuse_here(ARGV[{a + 4}], 'tenant_queue', 'full', wait_s(mine), mine)
     end
   end
