@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 import redis
-from _common import ROOT, machine
-from http_overhead import Stack
+from _common import ROOT, Stack, machine
 from llama_server_build import build
 from vs_llama_server import LlamaServer, Side, throughput
 

@@ -1,4 +1,4 @@
-"""What a hostile client's flood costs another tenant, through the door (#32).
+"""What a hostile client's flood costs another tenant, through the door.
 
 The real web as ``make run`` serves it (nginx in front of daphne, config/proxy.py) and a
 stand-in daemon in this process that answers each job at once (the engine is not what is
@@ -11,8 +11,9 @@ after another; its latency is timed alone and under each flood, in alternating r
   finished ``--tokens``-token stream from the start (``GET /v1/requests/<id>/events``) in
   a loop.
 
-Prints one JSON object: per phase the victim's median latency per round, the median ratio
-of flood to the baseline round next to it, and what the attackers got (statuses, rate).
+Prints the machine and the command, a JSON line per flood and, last, all of them in one
+JSON object: per flood the victim's median latency per round, the median ratio of flood to
+the baseline round next to it, and what the attackers got (statuses, rate).
 
 ``--cost`` measures instead what one flood request costs the web process, with no victim:
 daphne's CPU seconds (utime + stime, /proc) over ``--cost-s`` seconds of each flood, per
@@ -50,6 +51,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 import django  # noqa: E402
 
 django.setup()
+
+from _common import command, machine  # noqa: E402
 
 from config import proxy  # noqa: E402
 from tests.live_service import StandIn, WebServer  # noqa: E402
@@ -248,6 +251,8 @@ def main() -> None:
                         help="the door's PROXY_REQUEST_BURST (default: its own, "
                         f"{proxy.PROXY_REQUEST_BURST})")
     args = parser.parse_args()
+    print(f"machine: {machine()}")
+    print(f"command: {command()}", flush=True)
     web = WebServer()
     web.env.update({"PROXY_REQUESTS_PER_S": str(args.requests_per_s),
                     "PROXY_REQUEST_BURST": str(args.request_burst)})

@@ -9,7 +9,7 @@ shared machine only ever slows a run down). Each side runs in a process of its o
 bench talks to both over pipes, one run at a time): in one process the raw loop on the main
 thread and the core's loop thread would be two OpenMP teams, and libgomp throttles every
 team's barrier spin once it manages more threads than CPUs (docs/performance.md), which
-slowed both sides alike until 2026-12-02. ``--logprobs N``: ours asks for log probabilities
+would slow both sides alike. ``--logprobs N``: ours asks for log probabilities
 with N alternatives per token (what such a request costs; without it, the default run is
 the hot path every other request takes). Run:  .venv/bin/python bench/engine_throughput.py
 The last line printed is JSON.
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from _common import machine, model_path
+from _common import command, machine, model_path
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
@@ -143,6 +143,7 @@ def main() -> None:
     raw_side = Side("raw", n_seq, args.threads)
     ours_side = Side("ours", n_seq, args.threads, args.logprobs)
     print(f"machine: {machine()}")
+    print(f"command: {command()}")
     print(f"model: {model_path()}  threads={args.threads} n_ctx=8192 n_batch=2048 "
           f"n_seq_max={n_seq}; each side in its own process"
           + (f"; ours asks logprobs={args.logprobs}" if args.logprobs is not None else ""))

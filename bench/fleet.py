@@ -46,14 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx  # what the pinned openai SDK ships with (httpx API)
 import redis
-from _common import ROOT, cpu_ms, machine, model_path
+from _common import ROOT, cpu_ms, free_port, machine, model_path, model_served
 
 from config.listen import daphne_endpoint
 from wire import protocol, queue
@@ -106,7 +105,7 @@ class Fleet:
                  "--daemon-id", daemon_id], cwd=ROOT, env={**self.env, **DAEMON_ENV},
                 stdout=log, stderr=subprocess.STDOUT))
         for mode in MODES:
-            port = _free_port()
+            port = free_port()
             self.ports[mode] = port
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", port),
@@ -116,18 +115,11 @@ class Fleet:
             self.web_pids[mode] = self.procs[-1].pid
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + 300
-        while not (all(self._served(p) for p in self.ports.values())
+        while not (all(model_served(p, self.model) for p in self.ports.values())
                    and len(client.hkeys(queue.fleet_key(self.model))) == DAEMONS):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"the fleet did not start; see {self.tmp / 'log.txt'}")
             time.sleep(0.5)
-
-    def _served(self, port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/health", timeout=2) as r:
-                return self.model in json.loads(r.read())["models"]
-        except OSError:
-            return False
 
     def tenant(self, name: str) -> str:
         self.manage("create_tenant", name)
@@ -146,14 +138,6 @@ class Fleet:
         client.delete(*queue.keys_of(self.model),
                       *[queue.routed_key(self.model, d) for d in self.daemon_ids])
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def turn(http: httpx.AsyncClient, base: str, key: str, model: str, prompt: str,

@@ -1,10 +1,11 @@
 """Build llama-server once from the llama.cpp that llama-cpp-python==<pin> vendors, cached.
 
-The peer the service is measured against (bench/vs_llama_server.py, llama_server_prefix.py)
+The peer the service is measured against (bench/vs_llama_server.py, bench/cost_breakdown.py)
 must run the same llama.cpp as our engine, built for this CPU the same way: the sdist is
 fetched with ``pip download --no-binary :all: --no-deps``, and cmake gets the CPU flags
-scripts/dev.py gives llama-cpp-python (on this VM llama.cpp's ``-march=native`` AMX code is
-killed with SIGILL), plus ``-DLLAMA_CURL=OFF`` and static libraries (one binary to cache).
+scripts/dev.py gives llama-cpp-python (not ``-march=native``: its AMX code is killed with
+SIGILL on a machine that does not grant AMX), plus ``-DLLAMA_CURL=OFF`` and static libraries
+(one binary to cache).
 The binary lands in ``~/.cache/llm-service/llama-server/<key>/llama-server``, where ``key``
 hashes the pin and the flags; later calls return at once.
 Run:  .venv/bin/python bench/llama_server_build.py   (prints the binary's path)
@@ -46,7 +47,7 @@ def build(log=print, shared: bool = False, cflags: str = "") -> Path:
     """The cached llama-server binary, built first if needed (~10 min on 2 cores).
     ``shared``: llama.cpp's libraries as shared objects (position-independent code, as the
     llama-cpp-python wheel builds them) beside the binary (``vs_llama_server.LlamaServer``
-    sets ``LD_LIBRARY_PATH`` to its folder; bench/peer_build_ab.py). ``cflags``: more C and
+    sets ``LD_LIBRARY_PATH`` to its folder). ``cflags``: more C and
     C++ compiler flags (a build variant to compare, e.g. ``-fno-semantic-interposition``)."""
     dev = _dev()
     flags = dev.llama_cmake_args()

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
-from _common import machine, model_path
+from _common import command, machine, model_path
 
 from scheduler_daemon.core import InferenceCore
 from scheduler_daemon.engine import EngineConfig, LlamaEngine
@@ -168,6 +168,7 @@ def main() -> None:
     )
     system_tokens = len(engine.tokenize(SYSTEM, add_special=False))
     print(f"machine: {machine()}")
+    print(f"command: {command()}")
     print(
         f"model: {engine.model_path}  threads={args.threads} slots={args.slots} "
         f"system prompt={system_tokens} tokens  {args.conversations} conversations x "

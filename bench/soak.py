@@ -64,8 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from _common import ROOT, machine  # (also puts the project on sys.path)
-from http_overhead import Stack, _free_port
+from _common import ROOT, Stack, free_port, machine  # (also puts the project on sys.path)
 
 from config.listen import daphne_endpoint
 from wire import protocol
@@ -230,7 +229,7 @@ class Soak:
         if redis_url is None:
             if not shutil.which("redis-server"):
                 raise SystemExit("no redis-server on PATH: pass --redis-url")
-            port = _free_port()
+            port = free_port()
             self.redis_proc = subprocess.Popen(
                 ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--dir", str(self.tmp)],
@@ -244,21 +243,15 @@ class Soak:
                     raise RuntimeError(f"redis-server did not start; see {self.tmp}/redis.log")
                 time.sleep(0.2)
         self.redis_url = redis_url
-        stack = Stack(redis_url, WORKERS, self.args.threads, f"soak-{self.nonce}")
+        stack = Stack(redis_url, WORKERS, self.args.threads, f"soak-{self.nonce}", tmp=self.tmp)
         stack.env.pop("CACHE_PROMPT")  # the service's default (on), as deployed
         stack.env.pop("N_THREADS")
         if self.args.threads:
             stack.env["N_THREADS"] = str(self.args.threads)
-        shutil.rmtree(stack.tmp, ignore_errors=True)
-        stack.tmp = self.tmp
-        stack.env["DATABASE_URL"] = f"sqlite:///{self.tmp / 'db.sqlite3'}"
         self.stack = stack
-        manage = [sys.executable, "manage.py"]
-        stack._run([*manage, "migrate", "-v", "0"])
+        stack.manage("migrate", "-v", "0")
         for tenant in self.prefixes:
-            stack._run([*manage, "create_tenant", tenant])
-            self.keys[tenant] = stack._run(
-                [*manage, "create_api_key", tenant]).strip().splitlines()[-1]
+            self.keys[tenant] = stack.create_key(tenant)
         self.daemon = self._start_daemon()
         self.daphne = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", stack.port),
@@ -266,7 +259,7 @@ class Soak:
             cwd=ROOT, env=stack.env, stdout=(self.tmp / "daphne.log").open("ab"),
             stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
-        while not stack._model_served():
+        while not stack.model_served():
             if time.monotonic() > deadline or self.daphne.poll() is not None \
                     or self.daemon.poll() is not None:
                 raise RuntimeError(f"the service did not start; see {self.tmp}")

@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from _common import ROOT, machine, model_path
-from http_overhead import Stack, _free_port
+from _common import ROOT, Stack, free_port, machine, model_path
 from llama_server_build import build
 from prefix_cache import SYSTEM, scenario
 
@@ -220,7 +219,7 @@ def _run_workload(side: Side, name: str, salt: str) -> dict:
 
 class LlamaServer:
     def __init__(self, binary: Path, threads: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = Path(f"/tmp/vs-llama-server-{self.port}.log")
         self.argv = [str(binary), "-m", model_path(), "-c", "8192", "-np", "4", "-kvu",
                      "--swa-full", "-t", str(threads), "--host", "127.0.0.1",
