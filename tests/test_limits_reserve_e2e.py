@@ -1,6 +1,6 @@
 """Token limits reserved at admission, live (issue 12): real daphne, real daemon (Gemma),
 real Redis. Eight concurrent requests with 50 tokens of monthly budget left never use more
-than the budget (before: 2,440 tokens used with 50 left); the daemon's end of each request
+than the budget (counted only at the end they could use 2,440); the daemon's end of each request
 replaces its reservation with its actual usage; the prompt estimate bounds the real count."""
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The in-flight set's key never expires before its members (found in review).
+"""The in-flight set's key never expires before its members.
 
 ``llm:limit:inflight:<tenant>`` holds every slot of a tenant: requests (expiring after
-``slot_ttl_s``, ~11 min) and resumes (30 s, renewed while their reader reads). The whole
-key's TTL used to be set to whatever the latest writer wanted: a resume's 30 s cut the
+``slot_ttl_s``, ~11 min) and resumes (30 s, renewed while their reader reads). The key's
+TTL may only grow: set to whatever the latest writer wanted, a resume's 30 s would cut the
 running requests' slots (and, with them, their token reservations) after 30 s, and a resume
-renewed past the key's TTL vanished with it. The key's TTL may only grow.
+renewed past the key's TTL would vanish with it.
 """
 
 from __future__ import annotations

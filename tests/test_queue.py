@@ -8,7 +8,7 @@
 - entries added without the script, or deleted while waiting, cost nothing;
 - the gate refuses ``queue_full`` (503) and ``tenant_queue_full`` (429) from what Redis
   holds, with a Retry-After from the daemons' drain rate, and counts what it refused; no
-  live daemon in the fleet hash: it admits (the web waits for one, as before).
+  live daemon in the fleet hash: it admits (the web waits for one).
 """
 
 from __future__ import annotations

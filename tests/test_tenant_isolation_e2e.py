@@ -1,7 +1,7 @@
 """No tenant can hurt another, end to end: a real daphne, a real daemon (Gemma), real Redis.
 
 Tenant B streams a long completion over SSE while tenant A sends, through the API, each
-request that used to stop the daemon; A gets a 4xx (or a proper answer), B's stream ends
+request that would stop an unguarded daemon; A gets a 4xx (or a proper answer), B's stream ends
 with its finish reason and no error, and the daemon's pid is unchanged. Then A tries to
 take more than its share (queue, KV, prompt size) while B keeps being served.
 """

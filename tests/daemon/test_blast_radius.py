@@ -3,7 +3,7 @@
 Real ``run_scheduler`` processes with Gemma on the test Redis. Jobs go straight into the
 jobs stream, bypassing the web's validation on purpose: what is shown here is what the
 daemon survives on its own. Tenant B streams a long completion; tenant A sends something
-that used to stop the daemon; A gets its own typed error (or a proper answer), B's stream
+that would stop an unguarded daemon; A gets its own typed error (or a proper answer), B's stream
 ends with ``done``, and the daemon's pid is unchanged.
 """
 

@@ -1,4 +1,4 @@
-"""Tokenize/detokenize jobs and the intake's room (#31 review): they are answered one at a
+"""Tokenize/detokenize jobs and the intake's room: they are answered one at a
 time on the vocabulary thread (~1 s for 256 KiB), so they must not hold the room the intake
 keeps for generation (N_PARALLEL + LOCAL_QUEUE); their own caps in flight refuse a burst,
 per tenant (429 tenant_queue_full) and in all (503 queue_full), with Retry-After. A real

@@ -1,5 +1,6 @@
-"""Hostile input against the real engine (Gemma 3 270M): what used to crash the process or
-forge structure now fails that request alone, or is read as the text it is."""
+"""Hostile input against the real engine (Gemma 3 270M): what would crash the process or
+forge structure if passed to llama.cpp unchecked fails that request alone, or is read as
+the text it is."""
 
 from __future__ import annotations
 
