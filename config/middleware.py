@@ -10,8 +10,8 @@ nothing to do. Only ``settings.API_MIDDLEWARE`` runs there (security headers, Ho
 Content-Length, X-Frame-Options: the same headers as the site), and since those three do
 no I/O, their ``process_request``/``process_response`` hooks are called here, on the event
 loop, in the order ``MiddlewareMixin`` calls them. Django's ASGI handler would run each hook
-on a thread: five thread hops per API request, ~1 ms of CPU on the 2-core CI machine
-(bench/web_cpu.py), taken from llama.cpp's threads.
+on a thread: five thread hops per API request, ~1 ms of CPU on a 2-core machine, taken
+from llama.cpp's threads.
 """
 from __future__ import annotations
 

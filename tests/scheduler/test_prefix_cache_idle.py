@@ -2,7 +2,7 @@
 idle slots' prefixes to the RAM tier and frees their cells before its prefill, so that the
 prefill attends over the running slots only (llama.cpp's unified KV spans every used cell);
 a returning conversation restores its prefix from RAM instead. Fake engine: the policy's
-rules; the served effect is measured by bench/peer_build_ab.py --served."""
+rules; its served effect: docs/performance.md."""
 
 from __future__ import annotations
 
