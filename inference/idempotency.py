@@ -31,6 +31,7 @@ from inference.errors import ApiError, invalid
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import errors, protocol
+from wire.scripts import lua
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ _KEY = re.compile(KEY_PATTERN, re.ASCII)
 CLAIM_TRIES = 3  # a key given back between our SET NX and GET is claimed again
 ROW_POLL_S = 0.05
 # Deletes the claim only while it is still ours (a later claim of the key is left alone).
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end" \
-           " return 0"
+_RELEASE = lua("release_claim")
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,159 +132,11 @@ class Refused:
         return CODE_OF[self.limit]
 
 
-# Shared by both scripts: KEYS[1] in-flight set, KEYS[2] reservations; ARGV[1] now.
-# Drops expired in-flight members and their reservations (and reservations whose member is
-# gone), then sums what the live ones reserved.
-_IN_FLIGHT = """
-local now = tonumber(ARGV[1])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for i = 1, #expired do redis.call('HDEL', KEYS[2], expired[i]) end
-if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) end
-local reserved = 0
-local held = redis.call('HGETALL', KEYS[2])
-for i = 1, #held, 2 do
-  if redis.call('ZSCORE', KEYS[1], held[i]) then
-    reserved = reserved + tonumber(held[i + 1])
-  else
-    redis.call('HDEL', KEYS[2], held[i])
-  end
-end
-local function extend(key, ttl)  -- a key's TTL only grows: it holds others' members too
-  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
-end
-local function refuse(counter, code, limit, how, retry, used)
-  redis.call('HINCRBY', counter, code, 1)
-  return table.concat({limit, how, math.max(1, math.ceil(retry)), used, reserved}, ':')
-end
-"""
-
-# KEYS: in-flight, reservations, rpm window, tpm window, month, refusals, the tenant's
-#       refusals, [the model queue's gate keys: wire/queue.gate_keys]
-# ARGV: now, request id, its slot's expiry, in-flight key ttl, seconds to next month,
-#       tokens to reserve, budget, tpm, rpm, max_concurrent (-1: unlimited),
-#       codes for budget, tpm, rpm, concurrency, [the gate's args: wire/queue.gate_args]
-# The model's queue is looked at first (the gate: queue_full, tenant_queue_full), then
-# every limit, before anything is counted: refused, it counts nothing (but the refusal,
-# for /metrics and the tenant's). The refusal names the limit that keeps it out longest.
-_REFUSE_HERE = """
-local function refuse_here(code, limit, how, retry, used)
-  redis.call('HINCRBY', KEYS[7], code, 1)
-  return refuse(KEYS[6], code, limit, how, retry, used)
-end
-"""
-_ADMIT_LIMITS = f"""
-local WINDOW = {WINDOW_S}
-local oldest = math.floor(now) - WINDOW  -- buckets from here on are in the window
-local code = {{budget = ARGV[11], tpm = ARGV[12], rpm = ARGV[13], concurrency = ARGV[14]}}
-local want = tonumber(ARGV[6])
-local need = math.max(want, 1)  -- a request uses a token at least, reserved or not
-
-local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
-  local raw = redis.call('HGETALL', key)
-  local live, sum = {{}}, 0
-  for i = 1, #raw, 2 do
-    local bucket = tonumber(raw[i])
-    if bucket < oldest then
-      redis.call('HDEL', key, raw[i])
-    else
-      live[#live + 1] = {{bucket, tonumber(raw[i + 1])}}
-      sum = sum + live[#live][2]
-    end
-  end
-  table.sort(live, function(a, b) return a[1] < b[1] end)
-  return live, sum
-end
-
-local function wait(live, excess)  -- seconds until `excess` has left the window
-  local freed = 0
-  for i = 1, #live do
-    freed = freed + live[i][2]
-    if freed >= excess then return live[i][1] + WINDOW + 1 - now end
-  end
-  return WINDOW + 1
-end
-
-local worst = nil
-local function note(limit, how, retry, used)
-  if worst == nil or retry > worst[3] then worst = {{limit, how, retry, used}} end
-end
-local function never(limit, retry, used)
-  return refuse_here(code[limit], limit, 'too_big', retry, used)
-end
-
-local budget = tonumber(ARGV[7])
-if budget >= 0 then
-  local used = tonumber(redis.call('GET', KEYS[5]) or '0')
-  if want > budget then return never('budget', tonumber(ARGV[5]), used) end
-  if used + need > budget then note('budget', 'over', tonumber(ARGV[5]), used)
-  elseif used + reserved + need > budget then note('budget', 'held', 1, used) end
-end
-
-local tpm_live, tokens = window(KEYS[4])
-local tpm = tonumber(ARGV[8])
-if tpm >= 0 then
-  if want > tpm then return never('tpm', WINDOW, tokens) end
-  local excess = tokens + reserved + need - tpm
-  if excess > tokens then note('tpm', 'held', 1, tokens)
-  elseif excess > 0 then note('tpm', 'over', wait(tpm_live, excess), tokens) end
-end
-
-local rpm_live, requests = window(KEYS[3])
-local rpm = tonumber(ARGV[9])
-if rpm >= 0 then
-  if rpm < 1 then return never('rpm', WINDOW, requests) end
-  if requests >= rpm then note('rpm', 'over', wait(rpm_live, requests + 1 - rpm), requests) end
-end
-
-local concurrent = tonumber(ARGV[10])
-if concurrent >= 0 then
-  local running = redis.call('ZCARD', KEYS[1])
-  if concurrent < 1 then return never('concurrency', WINDOW, running) end
-  if running >= concurrent then note('concurrency', 'held', 1, running) end
-end
-
-if worst then
-  return refuse_here(code[worst[1]], worst[1], worst[2], worst[3], worst[4])
-end
-redis.call('HINCRBY', KEYS[3], string.format('%d', math.floor(now)), 1)
-redis.call('EXPIRE', KEYS[3], {WINDOW_KEY_TTL_S})
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-extend(KEYS[1], ARGV[4])
-if want > 0 then
-  redis.call('HSET', KEYS[2], ARGV[2], want)
-  extend(KEYS[2], ARGV[4])
-end
-return 'ok'
-"""
-_ADMIT = _IN_FLIGHT + _REFUSE_HERE + _ADMIT_LIMITS
-_ADMIT_GATED = (_IN_FLIGHT + _REFUSE_HERE + queue.gate_lua(8, 15) + _ADMIT_LIMITS.replace(
-    "\nreturn 'ok'\n", "\n" + queue.gate_commit_lua(8, 15) + "return 'ok'\n"))
-assert _ADMIT_GATED.count("return 'ok'") == 1 and _ADMIT_GATED != _ADMIT
-
-# A slot without tokens (a resume): only the concurrency limit.
-# KEYS: in-flight, reservations, refusals; ARGV: now, member, expiry, max_concurrent,
-#       in-flight key ttl, concurrency code
-_TAKE_SLOT = _IN_FLIGHT + """
-local concurrent = tonumber(ARGV[4])
-local running = redis.call('ZCARD', KEYS[1])
-if concurrent >= 0 and running >= concurrent then
-  local how = 'held'
-  if concurrent < 1 then how = 'too_big' end
-  return refuse(KEYS[3], ARGV[6], 'concurrency', how, 1, running)
-end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-extend(KEYS[1], ARGV[5])
-return 'ok'
-"""
-
-# Push a held slot's expiry on, and its key's TTL with it (never shorter).
-# KEYS: in-flight; ARGV: member, expiry, ttl (whole seconds)
-_RENEW_SLOT = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
-if redis.call('TTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
-return 1
-"""
+# The scripts (wire/lua/): admit.lua and take_slot.lua, each headed by in_flight.lua (the
+# in-flight set, the reservations, now); renew_slot.lua; count_replay.lua.
+_ADMIT = lua("admit")  # the gate (given its keys) and every limit, in one step
+_TAKE_SLOT = lua("take_slot")  # a slot without tokens (a resume)
+_RENEW_SLOT = lua("renew_slot")  # a held slot's expiry pushed on
 
 
 def admit(client: Any, tenant_id: str, request_id: str, limits: Limits, *, now: float,
@@ -324,14 +176,13 @@ def admit_call(tenant_id: str, request_id: str, limits: Limits, *, now: float, r
         _arg(limits.monthly_token_budget), _arg(limits.tokens_per_minute),
         _arg(limits.requests_per_minute), _arg(limits.max_concurrent),
         BUDGET_EXCEEDED, TPM_EXCEEDED, RPM_EXCEEDED, CONCURRENCY_LIMITED,
+        WINDOW_S, WINDOW_KEY_TTL_S,
     ]
-    script = _ADMIT
     if model is not None:
-        script = _ADMIT_GATED
         keys += queue.gate_keys(model, tenant_id)
         args += queue.gate_args(tenant_id, max_queued, now, HEARTBEAT_TTL_S, QUEUE_FULL,
-                                TENANT_QUEUE_FULL, request_id)
-    return script, keys, args
+                                TENANT_QUEUE_FULL)
+    return _ADMIT, keys, args
 
 
 def take_slot(client: Any, tenant_id: str, member: str, max_concurrent: int | None, *,
@@ -352,7 +203,7 @@ def take_slot_call(tenant_id: str, member: str, max_concurrent: int | None, *, n
     return _TAKE_SLOT, keys, args
 
 
-_COUNT_REPLAY = lua("count_replay")
+_COUNT_REPLAY = lua("count_replay")  # a replay counted (``replay_call``)
 
 
 def replay_call(tenant_id: str, *, now: float, replays_per_minute: int | None,

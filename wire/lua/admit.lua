@@ -1,0 +1,198 @@
+-- After: in_flight.lua
+-- Admits a request, or says why not, in one step. Given the model queue's keys (the gate,
+-- wire/queue.py), the model's queue is looked at first (queue_full, tenant_queue_full);
+-- then every tenant limit (budget, tokens and requests per minute, concurrency), before
+-- anything is counted: refused, it counts nothing but the refusal (by code, every
+-- tenant's and the tenant's). The refusal names the limit that keeps it out longest.
+-- Admitted, it counts as a request in the window, holds a slot until ``expiry`` and, when
+-- ``want`` > 0, a reservation of that many tokens; through the gate, it also counts as
+-- waiting in the model's queue until enqueue.lua takes it (or ``admit_hold_s`` pass).
+--
+-- KEYS[1..2], ARGV[1]     in_flight.lua's
+-- KEYS[3] rpm             the tenant's requests window (limits.rpm_key)
+-- KEYS[4] tpm             the tenant's tokens window (limits.tpm_key)
+-- KEYS[5] month           the tenant's tokens this month (limits.month_key)
+-- KEYS[6] refusals        refusals by code, every tenant's (limits.REFUSALS_HASH)
+-- KEYS[7] tenant_refusals the tenant's refusals by code (limits.tenant_refusals_key)
+-- The gate's, all six or none (queue.gate_keys):
+-- KEYS[8]  ready          the model's shared set of waiting jobs (a daemon's routed set:
+--                         this key + ':d:' + its id)
+-- KEYS[9]  tenants        tenant -> jobs of it waiting
+-- KEYS[10] fleet          daemon id -> its FleetEntry's JSON
+-- KEYS[11] admitted       requests admitted, not yet enqueued: id -> when (the model's)
+-- KEYS[12] tenant_admitted  the same, the tenant's
+-- KEYS[13] load           daemon id -> jobs it holds, live
+-- ARGV[2]  request_id     the request's id (its slot's member)
+-- ARGV[3]  expiry         when its slot lapses (unix s)
+-- ARGV[4]  inflight_ttl   the in-flight and reservation keys' TTL at least (s)
+-- ARGV[5]  to_next_month  seconds to the next UTC month (the budget's Retry-After)
+-- ARGV[6]  want           tokens to reserve (0: none)
+-- ARGV[7]  budget         monthly token budget   } -1: unlimited
+-- ARGV[8]  tpm_limit      tokens per minute      }
+-- ARGV[9]  rpm_limit      requests per minute    }
+-- ARGV[10] max_concurrent requests in flight     }
+-- ARGV[11..14]            the refusal codes of budget, tpm, rpm, concurrency
+-- ARGV[15] window_s       the windows' length (limits.WINDOW_S)
+-- ARGV[16] window_ttl     a window's TTL past its newest bucket (limits.WINDOW_KEY_TTL_S)
+-- The gate's, with its keys (queue.gate_args):
+-- ARGV[17] tenant         the tenant's id
+-- ARGV[18] tenant_cap     the tenant's own cap per daemon (-1: the daemons'
+--                         MAX_QUEUE_PER_TENANT)
+-- ARGV[19] oldest         the oldest heartbeat that counts (unix s)
+-- ARGV[20] queue_full     the refusal code of a full queue
+-- ARGV[21] tenant_queue_full  the refusal code of the tenant's full share
+-- ARGV[22] admit_hold_s   an admitted request not enqueued this long no longer counts
+-- ARGV[23] retry_min      the gate's Retry-After, at least (s)
+-- ARGV[24] retry_max      and at most (s)
+-- Returns 'ok', or '<limit>:<how>:<retry after s>:<used>:<reserved>' (limits.decision).
+local rpm_key, tpm_key, month_key, refusals, tenant_refusals =
+  KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local request_id, expiry, inflight_ttl, to_next_month = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local want = tonumber(ARGV[6])
+local budget, tpm, rpm, concurrent = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
+  tonumber(ARGV[10])
+local code = {budget = ARGV[11], tpm = ARGV[12], rpm = ARGV[13], concurrency = ARGV[14]}
+local window_s, window_ttl = tonumber(ARGV[15]), ARGV[16]
+local gated = #KEYS > 7
+local ready, tenants, fleet, admitted, tenant_admitted, load =
+  KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local tenant, tenant_cap, oldest = ARGV[17], tonumber(ARGV[18]), tonumber(ARGV[19])
+local queue_full, tenant_queue_full = ARGV[20], ARGV[21]
+local admit_hold_s, retry_min, retry_max = tonumber(ARGV[22]), tonumber(ARGV[23]),
+  tonumber(ARGV[24])
+
+local function refuse_here(refusal_code, limit, how, retry, used)
+  redis.call('HINCRBY', tenant_refusals, refusal_code, 1)
+  return refuse(refusals, refusal_code, limit, how, retry, used)
+end
+
+-- The gate. With no live daemon counted it admits: the web waits for one (a restart).
+if gated then
+  local daemons = redis.call('HGETALL', fleet)
+  local live, cap, share, rate, free = 0, 0, 0, 0, 0
+  for i = 1, #daemons, 2 do
+    local ok, d = pcall(cjson.decode, daemons[i + 1])
+    if ok and type(d) == 'table' and tonumber(d.at) and tonumber(d.at) >= oldest
+        and d.taking == true then
+      live = live + 1
+      -- its queue allowance, and the room it had at its last beat (a burst after a quiet
+      -- spell is not refused before the daemons could take it)
+      local held = math.max(0, tonumber(redis.call('HGET', load, daemons[i]) or d.held) or 0)
+      free = free + math.max(0, (tonumber(d.capacity) or 0) - held)
+      cap = cap + (tonumber(d.max_queue) or 0)
+      share = share + (tonumber(d.max_queue_per_tenant) or 0)
+      rate = rate + (tonumber(d.drain_per_s) or 0)
+    end
+  end
+  local hold = now - admit_hold_s
+  redis.call('ZREMRANGEBYSCORE', admitted, '-inf', hold)
+  redis.call('ZREMRANGEBYSCORE', tenant_admitted, '-inf', hold)
+  if live > 0 then
+    rate = math.max(rate, 0.1 * live)
+    cap = cap + free
+    local waiting = redis.call('ZCARD', ready) + redis.call('ZCARD', admitted)
+    for i = 1, #daemons, 2 do
+      waiting = waiting + redis.call('ZCARD', ready .. ':d:' .. daemons[i])
+    end
+    local function wait_s(n)
+      return math.min(retry_max, math.max(retry_min, n / rate))
+    end
+    if waiting >= cap then
+      return refuse_here(queue_full, 'queue', 'full', wait_s(waiting), waiting)
+    end
+    if tenant_cap >= 0 then share = tenant_cap * live end
+    share = share + free
+    local mine = tonumber(redis.call('HGET', tenants, tenant) or '0')
+    mine = mine + redis.call('ZCARD', tenant_admitted)
+    if mine >= share then
+      -- its own jobs at the fleet's drain rate: nothing of other tenants' queues goes into
+      -- it, so a refusal's Retry-After cannot tell a tenant how many others have work queued
+      return refuse_here(tenant_queue_full, 'tenant_queue', 'full', wait_s(mine), mine)
+    end
+  end
+end
+
+-- The tenant's limits.
+local oldest_bucket = math.floor(now) - window_s  -- buckets from here on are in the window
+local need = math.max(want, 1)  -- a request uses a token at least, reserved or not
+
+local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
+  local raw = redis.call('HGETALL', key)
+  local live, sum = {}, 0
+  for i = 1, #raw, 2 do
+    local bucket = tonumber(raw[i])
+    if bucket < oldest_bucket then
+      redis.call('HDEL', key, raw[i])
+    else
+      live[#live + 1] = {bucket, tonumber(raw[i + 1])}
+      sum = sum + live[#live][2]
+    end
+  end
+  table.sort(live, function(a, b) return a[1] < b[1] end)
+  return live, sum
+end
+
+local function wait(live, excess)  -- seconds until `excess` has left the window
+  local freed = 0
+  for i = 1, #live do
+    freed = freed + live[i][2]
+    if freed >= excess then return live[i][1] + window_s + 1 - now end
+  end
+  return window_s + 1
+end
+
+local worst = nil
+local function note(limit, how, retry, used)
+  if worst == nil or retry > worst[3] then worst = {limit, how, retry, used} end
+end
+local function never(limit, retry, used)
+  return refuse_here(code[limit], limit, 'too_big', retry, used)
+end
+
+if budget >= 0 then
+  local used = tonumber(redis.call('GET', month_key) or '0')
+  if want > budget then return never('budget', to_next_month, used) end
+  if used + need > budget then note('budget', 'over', to_next_month, used)
+  elseif used + reserved + need > budget then note('budget', 'held', 1, used) end
+end
+
+local tpm_live, tokens = window(tpm_key)
+if tpm >= 0 then
+  if want > tpm then return never('tpm', window_s, tokens) end
+  local excess = tokens + reserved + need - tpm
+  if excess > tokens then note('tpm', 'held', 1, tokens)
+  elseif excess > 0 then note('tpm', 'over', wait(tpm_live, excess), tokens) end
+end
+
+local rpm_live, requests = window(rpm_key)
+if rpm >= 0 then
+  if rpm < 1 then return never('rpm', window_s, requests) end
+  if requests >= rpm then note('rpm', 'over', wait(rpm_live, requests + 1 - rpm), requests) end
+end
+
+if concurrent >= 0 then
+  local running = redis.call('ZCARD', inflight)
+  if concurrent < 1 then return never('concurrency', window_s, running) end
+  if running >= concurrent then note('concurrency', 'held', 1, running) end
+end
+
+if worst then
+  return refuse_here(code[worst[1]], worst[1], worst[2], worst[3], worst[4])
+end
+
+-- Admitted: count it.
+redis.call('HINCRBY', rpm_key, string.format('%d', math.floor(now)), 1)
+redis.call('EXPIRE', rpm_key, window_ttl)
+redis.call('ZADD', inflight, expiry, request_id)
+extend(inflight, inflight_ttl)
+if want > 0 then
+  redis.call('HSET', reservations, request_id, want)
+  extend(reservations, inflight_ttl)
+end
+if gated then  -- it counts as waiting in the model's queue until enqueue.lua takes it
+  redis.call('ZADD', admitted, ARGV[1], request_id)
+  redis.call('EXPIRE', admitted, 2 * admit_hold_s)
+  redis.call('ZADD', tenant_admitted, ARGV[1], request_id)
+  redis.call('EXPIRE', tenant_admitted, 2 * admit_hold_s)
+end
+return 'ok'
