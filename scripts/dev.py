@@ -8,6 +8,8 @@ Run by the project's virtualenv python (the Makefile creates .venv first):
     test         setup, then pytest against Redis database 15 (TEST_REDIS_URL): the whole
                  suite on SQLite, then the database tests (-m database) on PostgreSQL
                  (TEST_POSTGRES_URL) when one answers
+    test-fast    setup, then the fast tier on SQLite: the unit and in-process tests
+                 (-m FAST_TIER: no live server, daemon or model; markers set by tests/conftest.py)
     screenshots  setup, then the browser tests, saving their screenshots in docs/screenshots/
 """
 
@@ -51,6 +53,10 @@ SQLITE_URL = f"sqlite:///{ROOT / 'db.sqlite3'}"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 STOP_GRACE_S = 15.0
 HEALTH_WAIT_S = 90.0
+# `make test-fast`: what tests/conftest.py marks slow (a model or a daemon), live (a server, a
+# daemon or a redis-server of the test's own) or model (llama.cpp in the test process) is left
+# to `make test`.
+FAST_TIER = "not slow and not live and not model"
 
 
 def say(message: str) -> None:
@@ -639,7 +645,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         if postgres_url:
             results.append(pytest_run(
                 "PostgreSQL", f"the database tests among {what}",
-                {**env, "DATABASE_URL": postgres_url}, only_marked("database", args.pytest_args)))
+                {**env, "DATABASE_URL": postgres_url}, with_marker("database", args.pytest_args)))
         else:
             results.append(("PostgreSQL", None, 0.0))
         say("Summary:")
@@ -649,6 +655,16 @@ def cmd_test(args: argparse.Namespace) -> int:
             print(f"    {name}: {outcome}" + (f" in {seconds / 60:.1f} min" if seconds else ""),
                   flush=True)
         return max((code for _, code, _ in results if code not in (None, 5)), default=0)
+
+
+def cmd_test_fast(args: argparse.Namespace) -> int:
+    """The fast tier on SQLite (no PostgreSQL run: `make test` has it)."""
+    with test_services(browser=False) as env:
+        what = "the fast tier" + (" (with the arguments given)" if args.pytest_args else "")
+        _, code, seconds = pytest_run("SQLite", what, {**env, "DATABASE_URL": SQLITE_URL},
+                                      with_marker(FAST_TIER, args.pytest_args))
+        say(f"The fast tier took {seconds / 60:.1f} min; `make test` runs everything.")
+        return code or 0
 
 
 def cmd_screenshots(args: argparse.Namespace) -> int:
@@ -664,14 +680,15 @@ def cmd_screenshots(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def test_services() -> Iterator[dict[str, str]]:
-    """Set-up for tests (a Redis started if none answers, Chromium); the environment pytest
-    runs with. Stops the Redis it started."""
+def test_services(browser: bool = True) -> Iterator[dict[str, str]]:
+    """Set-up for tests (a Redis started if none answers, Chromium unless not `browser`); the
+    environment pytest runs with. Stops the Redis it started."""
     test_redis_url = os.environ.get("TEST_REDIS_URL", DEFAULT_TEST_REDIS_URL)
     redis_proc = None
     try:
         redis_proc, _ = setup(test_redis_url, start_redis=True)
-        ensure_chromium()
+        if browser:
+            ensure_chromium()
         yield {**os.environ, "REDIS_URL": test_redis_url, "TEST_REDIS_URL": test_redis_url}
     finally:
         if redis_proc:
@@ -688,8 +705,9 @@ def pytest_run(database: str, what: str, env: dict[str, str],
     return database, code, time.monotonic() - started
 
 
-def only_marked(marker: str, pytest_args: list[str]) -> list[str]:
-    """`pytest_args` selecting only tests marked `marker` (and-ed with their own -m)."""
+def with_marker(selection: str, pytest_args: list[str]) -> list[str]:
+    """`pytest_args` selecting only the tests `selection` (a -m expression) selects, and-ed
+    with their own -m."""
     rest, expression, i = [], None, 0
     while i < len(pytest_args):
         arg = pytest_args[i]
@@ -701,7 +719,7 @@ def only_marked(marker: str, pytest_args: list[str]) -> list[str]:
         else:
             rest.append(arg)
         i += 1
-    return [*rest, "-m", f"{marker} and ({expression})" if expression else marker]
+    return [*rest, "-m", f"({selection}) and ({expression})" if expression else selection]
 
 
 def main() -> int:
@@ -719,10 +737,12 @@ def main() -> int:
     commands.add_parser("setup").set_defaults(func=cmd_setup)
     commands.add_parser("run").set_defaults(func=cmd_run)
     commands.add_parser("test", help="extra arguments go to pytest").set_defaults(func=cmd_test)
+    commands.add_parser("test-fast", help="extra arguments go to pytest").set_defaults(
+        func=cmd_test_fast)
     commands.add_parser("screenshots", help="extra arguments go to pytest").set_defaults(
         func=cmd_screenshots)
     args, args.pytest_args = parser.parse_known_args()
-    if args.pytest_args and args.command not in ("test", "screenshots"):
+    if args.pytest_args and args.command not in ("test", "test-fast", "screenshots"):
         parser.error(f"unrecognized arguments: {' '.join(args.pytest_args)}")
     try:
         return args.func(args)

@@ -4,7 +4,8 @@ Tests use Redis database 15 (TEST_REDIS_URL), never the development database 0.
 
 Tests that reach a database get the ``database`` marker here (from the fixtures they use):
 `make test` runs the whole suite on SQLite, then ``-m database`` again with DATABASE_URL
-naming a PostgreSQL database (docs/testing.md).
+naming a PostgreSQL database (docs/testing.md). Tests that start servers or daemons get
+``live``, tests that load a llama.cpp model get ``model``: `make test-fast` runs the rest.
 """
 
 import os
@@ -27,11 +28,62 @@ settings.REDIS_URL = TEST_REDIS_URL
 # live servers and daemons (tests/live_service.py, tests/daemon/conftest.py).
 DATABASE_FIXTURES = {"django_db_setup", "web", "daemon_env"}
 
+# Fixtures that start processes a test talks to (daphne behind nginx, run_scheduler, a
+# redis-server of the test's own, a browser): their tests are marked ``live``. Fixtures that
+# load a llama.cpp model into the test process: ``model``. Keyed by the module defining each,
+# since modules reuse names (test_door_auth's ``daemon`` is a published snapshot, not a
+# process). A new fixture of either kind belongs here; tests/test_tiers.py checks that each
+# one named still exists.
+LIVE_FIXTURES = {
+    "tests.conftest": {"web", "daemon", "chat_daemon"},
+    "tests.daemon.conftest": {"daemon_env", "make_daemon"},
+    "tests.daemon.test_redis_reconnect": {"server"},
+    "tests.test_broker_outage": {"server"},
+    "tests.test_api_standin": {"keepalive_web"},
+    "tests.test_browser": {"live", "browser"},
+    "tests.test_door": {"web", "rated"},
+    "tests.test_door_scale": {"web"},
+    "tests.test_fleet_e2e": {"fleet"},
+    "tests.test_stream_shares": {"shares_web", "cap_web"},
+    "tests.test_vocabulary_limits_e2e": {"web", "daemon"},
+    "tests.chaos.test_deadlines": {"daemon"},
+    "tests.chaos.test_redis_restart": {"stack"},
+    "tests.chaos.test_resume_grace": {"web", "daemon"},
+}
+MODEL_FIXTURES = {
+    "tests.scheduler.conftest": {"gemma_engine"},
+    "tests.scheduler.test_chat_model_template": {"smollm2"},
+    "tests.scheduler.test_grammar_check": {"llama_parser"},
+}
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "database: reaches a database (set by tests/conftest.py from the django_db "
         "marker and the fixtures a test uses); `make test` runs these on PostgreSQL too")
+    config.addinivalue_line(
+        "markers", "live: starts or talks to a process of its own: daphne, run_scheduler, "
+        "redis-server, a browser (set by tests/conftest.py from LIVE_FIXTURES)")
+    config.addinivalue_line(
+        "markers", "model: loads a llama.cpp model in the test process (set by "
+        "tests/conftest.py from MODEL_FIXTURES)")
+
+
+def fixture_kinds(item: pytest.Item) -> set[str]:
+    """The markers ``item`` gets from the fixtures it uses (directly or through others)."""
+    info = getattr(item, "_fixtureinfo", None)
+    kinds = set()
+    for name, definitions in (info.name2fixturedefs.items() if info else ()):
+        # The last definition is the one used; one it overrides only if it asks for its name.
+        for definition in reversed(definitions):
+            module = getattr(definition.func, "__module__", "")
+            if name in LIVE_FIXTURES.get(module, ()):
+                kinds.add("live")
+            if name in MODEL_FIXTURES.get(module, ()):
+                kinds.add("model")
+            if name not in definition.argnames:
+                break
+    return kinds
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
@@ -40,6 +92,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("django_db") or DATABASE_FIXTURES.intersection(
                 getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.database)
+        for kind in fixture_kinds(item):
+            item.add_marker(kind)
 
 
 @dataclass
