@@ -114,74 +114,105 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
 
 async def _enqueue(api_key: ApiKey, parsed: ParsedRequest, request_id: str,
                    place: broker.ReaderPlace) -> Queued:
-    tenant_id = api_key.tenant_id
-    # The admission (the model queue's gate, then the tenant's limits: one script) runs on
-    # the event loop, so a refusal (429, 503) never waits behind other requests' rows on the
-    # database thread; only an admitted request gets one.
-    try:
-        await limits.admit_key(api_key, request_id, reserve=_reservation(parsed),
-                               model=parsed.model)
-    except ApiError:
-        raise  # refused: the script counted nothing (but the refusal)
-    except redis.RedisError as exc:
-        await _give_back(tenant_id, request_id, parsed.model)  # its reply may be all we lost
-        raise _redis_unavailable(exc) from exc
-    except asyncio.CancelledError:
-        await _give_back(tenant_id, request_id, parsed.model)
-        raise
-    creation = asyncio.ensure_future(db.run(_record, api_key, parsed, request_id))
-    try:
-        row = await asyncio.shield(creation)  # the database thread finishes it either way
-    except asyncio.CancelledError:
-        if not creation.cancelled() and await _settled(creation):
-            await _abandon(tenant_id, request_id, model=parsed.model)
-        else:
-            await _give_back(tenant_id, request_id, parsed.model)
-        raise
-    except BaseException:
-        await _give_back(tenant_id, request_id, parsed.model)
-        raise
-    try:
+    async with Admission(api_key, parsed, request_id) as admitted:
+        row = await admitted.record()
         # watched from the enqueue script on (it writes the watch key before the job)
         async with CancelIfAbandoned(request_id, at_once=True, watch_written=True):
             job = parsed.job(request_id, str(api_key.tenant_id), api_key.tenant.max_queued)
             watched_at = time.monotonic() if watch.enabled() else 0.0  # at or before the key
             await broker.enqueue(job, watch_ms=watch.ttl_ms())
-    except redis.RedisError as exc:
-        log.warning("Redis refused the job of request %s: %r", request_id, exc)
-        await _abandon(api_key.tenant_id, request_id, SERVICE_UNAVAILABLE, parsed.model)
-        raise _redis_unavailable(exc) from exc
-    except BaseException:
-        await _abandon(api_key.tenant_id, request_id, model=parsed.model)
-        raise
+        admitted.queued()
     return Queued(request_id, parsed.kind, parsed.model, int(row.created.timestamp()),
                   watched_at, job.deadline, place)
 
 
-async def _settled(admission: asyncio.Future[InferenceRequest]) -> bool:
-    """Wait for an admission whose caller went away; True when it admitted the request."""
-    try:
-        await admission
-    except BaseException:
-        return False
-    return True
+class Admission:
+    """A request's admission, from the script that admits it to its job in the queue: the
+    one owner of what the admission holds (the gate's place in the model's queue, the
+    tenant's concurrency slot and token reservation) and of its one rollback.
 
+    ``async with Admission(...) as admitted:`` runs the admission (the model queue's gate,
+    then the tenant's limits: one script, ``limits.admit_key``) on the event loop, so a
+    refusal (429, 503) never waits behind other requests' rows on the database thread;
+    a refusal raises its ApiError and holds nothing. Inside, ``record`` creates the history
+    row and the caller queues the job, then says so (``queued``): from there the request is
+    the daemons'. Any other way out of the block (an exception, a cancellation, a block
+    that ends without ``queued``) gives everything back, once: the slot and reservation
+    (``limits.release_soon``: once Redis answers if it does not now), the gate's place
+    (``broker.unadmit``, else it lapses after ADMIT_HOLD_S) and, when the row exists, the
+    row, closed cancelled (its caller went away) or failed ``service_unavailable`` (Redis
+    refused the job). A RedisError on the way out is the 503 ``_redis_unavailable`` says.
 
-async def _abandon(tenant_id: int, request_id: str, error_code: str = "",
-                   model: str | None = None) -> None:
-    """A request admitted but never queued: its row ends cancelled (its caller went away) or
-    failed with ``error_code`` (Redis refused the job); its slot and token reservation are
-    freed, once Redis answers if it does not now (``limits.release_soon``), and its place
-    in the model's queue (the gate's hold, else it lapses after ADMIT_HOLD_S)."""
-    try:
-        if error_code:
-            await db.run(history.close_failed, request_id, error_code)
-        else:
-            await db.run(history.abandon, request_id)
-    finally:
-        await limits.release_soon(tenant_id, request_id)
-        if model is not None:
-            await broker.unadmit(model, str(tenant_id), request_id)
+    ``_enqueue`` is its one user: every entry point that admits (the REST views, JSON and
+    SSE, the embeddings and vocabulary views, the websocket consumer, an Idempotency-Key's
+    first request) reaches it through ``enqueue`` or ``submit``."""
+
+    def __init__(self, api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> None:
+        self.api_key = api_key
+        self.parsed = parsed
+        self.request_id = request_id
+        self._creation: asyncio.Future[InferenceRequest] | None = None
+        self._done = False  # queued, or given back: nothing (more) to give back
+
+    async def __aenter__(self) -> Admission:
+        try:
+            await limits.admit_key(self.api_key, self.request_id,
+                                   reserve=_reservation(self.parsed), model=self.parsed.model)
+        except ApiError:
+            raise  # refused: the script counted nothing (but the refusal)
+        except BaseException as exc:  # the script may have run: its reply may be all we lost
+            await self._roll_back(exc)
+            if isinstance(exc, redis.RedisError):
+                raise _redis_unavailable(exc) from exc
+            raise
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._done:
+            return
+        await self._roll_back(exc)
+        if isinstance(exc, redis.RedisError):
+            raise _redis_unavailable(exc) from exc
+
+    async def record(self) -> InferenceRequest:
+        """Create the request's history row (on the database thread, which finishes it even
+        when the caller is cancelled meanwhile: the rollback then waits for it)."""
+        self._creation = asyncio.ensure_future(
+            db.run(_record, self.api_key, self.parsed, self.request_id))
+        return await asyncio.shield(self._creation)
+
+    def queued(self) -> None:
+        """The job is in the queue: nothing is given back from here."""
+        self._done = True
+
+    async def _roll_back(self, exc: BaseException | None) -> None:
+        """The one rollback (see the class)."""
+        if self._done:
+            return
+        self._done = True
+        tenant_id, request_id = self.api_key.tenant_id, self.request_id
+        try:
+            if await self._row_made():
+                if isinstance(exc, redis.RedisError):
+                    log.warning("Redis refused the job of request %s: %r", request_id, exc)
+                    await db.run(history.close_failed, request_id, SERVICE_UNAVAILABLE)
+                else:
+                    await db.run(history.abandon, request_id)
+        finally:
+            await limits.release_soon(tenant_id, request_id)
+            await broker.unadmit(self.parsed.model, str(tenant_id), request_id)
+
+    async def _row_made(self) -> bool:
+        """Whether ``record`` made the row (waiting for a creation its caller left)."""
+        creation = self._creation
+        if creation is None or creation.cancelled():
+            return False
+        try:
+            await creation
+        except BaseException:
+            return False
+        return True
 
 
 def _redis_unavailable(exc: redis.RedisError) -> ApiError:
@@ -207,12 +238,6 @@ def _record(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> Inferenc
     """An admitted request's history row (on the database thread)."""
     return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
                           parsed.model, parsed.session)
-
-
-async def _give_back(tenant_id: int, request_id: str, model: str) -> None:
-    """An admission that led to no row: its slot, reservation and queue place go back."""
-    await limits.release_soon(tenant_id, request_id)
-    await broker.unadmit(model, str(tenant_id), request_id)
 
 
 async def answer(queued: Queued) -> Submission:
