@@ -218,8 +218,8 @@ def test_client_leaving_a_non_streaming_request_leaves_it_to_the_grace(web, stan
                  json.dumps({"model": standin.model, "messages": HELLO}),
                  {"Authorization": f"Bearer {web.keys['owner']}"})
     wait_until(lambda: accepted, timeout_s=5)
-    time.sleep(0.2)  # the view is now waiting for tokens
-    assert redis_conn().exists(protocol.watch_key(accepted[0]))
+    # the view is waiting for tokens: its reader watches the request
+    wait_until(lambda: redis_conn().exists(protocol.watch_key(accepted[0])), timeout_s=5)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     wait_until(lambda: not redis_conn().exists(protocol.watch_key(accepted[0])), 20)

@@ -136,12 +136,15 @@ async def test_follow_from_a_finished_point_returns_at_once(r, request_id):
 
 
 async def test_cancel_if_abandoned_at_once_publishes_when_the_reader_is_cancelled(r, request_id):
+    entered = asyncio.Event()
+
     async def reader() -> None:  # (without at_once: the resume grace, tests/test_watch.py)
         async with service.CancelIfAbandoned(request_id, at_once=True):
-            await asyncio.sleep(30)
+            entered.set()
+            await asyncio.sleep(30)  # a reader waiting for events, until it is cancelled
 
     task = asyncio.create_task(reader())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(entered.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -30,7 +30,10 @@ async def test_the_pool_is_sized_by_the_settings(settings):
 
 async def _read_all(request_ids: list[str], redis_client, block_ms: int) -> list[list]:
     readers = [asyncio.create_task(broker.read_events(r, "0-0", block_ms)) for r in request_ids]
-    await asyncio.sleep(0.3)  # all of them waiting
+    followed = {protocol.events_stream(r) for r in request_ids}
+    async with asyncio.timeout(GUARD_S):  # all of them waiting
+        while not followed <= broker.stream_reader().streams():
+            await asyncio.sleep(0.01)
     assert await broker.stream_exists(request_ids[0]) is False  # a short command still runs
     for request_id in request_ids:
         redis_client.xadd(protocol.events_stream(request_id),

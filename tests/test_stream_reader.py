@@ -163,7 +163,10 @@ async def test_two_followers_of_one_stream_each_get_it_from_their_own_place(r):
             break
         await asyncio.sleep(0.1)
     from_start = asyncio.ensure_future(follow_to_end(request_id))
-    await asyncio.sleep(0.2)
+    for _ in range(GUARD_S * 100):  # it has joined: two followers of the stream
+        if len(reader._followers.get(stream, ())) == 2:
+            break
+        await asyncio.sleep(0.01)
     client.xadd(stream, token(2))
     client.xadd(stream, done())
     assert await asyncio.wait_for(from_start, GUARD_S) == ["t0", "t1", "t2"]
@@ -218,7 +221,11 @@ async def test_an_unreadable_entry_fails_its_stream_alone(r):
     made += [protocol.events_stream(bad), protocol.events_stream(good)]
     failing = asyncio.ensure_future(follow_to_end(bad))
     fine = asyncio.ensure_future(follow_to_end(good))
-    await asyncio.sleep(0.2)
+    reader = broker.stream_reader()
+    for _ in range(GUARD_S * 100):  # both are followed
+        if reader.streams() == {protocol.events_stream(bad), protocol.events_stream(good)}:
+            break
+        await asyncio.sleep(0.01)
     client.xadd(protocol.events_stream(bad), {"type": "token", "data": "{not json"})
     client.xadd(protocol.events_stream(good), token(0))
     with pytest.raises(ValueError):

@@ -34,6 +34,16 @@ async def _until(check, timeout_s: float = GUARD_S) -> None:
             await asyncio.sleep(0.02)
 
 
+async def _lives_on(r, key: str, graces: float = 2.5) -> None:
+    """Check the key at every step for ``graces`` graces: each written key lives one grace,
+    so only renewals keep it that long."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + graces * watch.grace_s()
+    while loop.time() < until:
+        assert r.exists(key), "the key expired while a reader held it"
+        await asyncio.sleep(0.02)
+
+
 # -- the web: readers keep the key alive ------------------------------------------------------
 
 
@@ -44,8 +54,7 @@ async def test_a_reader_writes_the_key_at_once_renews_it_and_leaves_it_to_expire
     key = protocol.watch_key(request_id)
     async with watch.Watching(request_id):
         assert 0 < r.pttl(key) <= 600  # written before the reader goes on, for one grace
-        await asyncio.sleep(1.5)  # over two graces: only renewals keep it
-        assert r.exists(key)
+        await _lives_on(r, key)  # over two graces: only renewals keep it
     assert r.exists(key)  # leaving writes nothing: the key lives on for the grace...
     await _until(lambda: not r.exists(key))  # ...and then expires, never renewed again
 
@@ -68,8 +77,7 @@ async def test_the_key_lives_while_any_reader_holds_it(r, request_id, settings):
     async with watch.Watching(request_id):
         async with watch.Watching(request_id):
             pass
-        await asyncio.sleep(1.5)
-        assert r.exists(key)
+        await _lives_on(r, key)
     await _until(lambda: not r.exists(key))
 
 
@@ -81,12 +89,15 @@ async def test_no_grace_no_key(r, request_id, settings):
 
 
 async def _abandoned_reader(request_id: str, **kwargs) -> None:
+    entered = asyncio.Event()
+
     async def reader() -> None:
         async with service.CancelIfAbandoned(request_id, **kwargs):
-            await asyncio.sleep(30)
+            entered.set()
+            await asyncio.sleep(30)  # a reader waiting for events, until it is cancelled
 
     task = asyncio.create_task(reader())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(entered.wait(), GUARD_S)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -14,12 +14,11 @@ running at two deaths (two runs of one id, restarted as the supervisor does) is 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
 from scheduler_daemon.intake import job_fingerprint
-from scheduler_daemon.recovery import Recovery
+from scheduler_daemon.recovery import CLAIM_MIN_IDLE_MS, Recovery
 from tests.live_service import redis_conn, wait_until
 from wire import protocol
 
@@ -32,6 +31,15 @@ class NoWriter:
         raise AssertionError("a job that never started is served again, not ended")
 
 
+def until_claimable(client, stream: str) -> None:
+    """Wait until every pending entry of the jobs group has been idle CLAIM_MIN_IDLE_MS, as a
+    claim needs (Redis's own idle time, so no guess at the clocks)."""
+    wait_until(lambda: all(
+        entry["time_since_delivered"] >= CLAIM_MIN_IDLE_MS
+        for entry in client.xpending_range(stream, protocol.JOBS_GROUP, "-", "+", count=100)),
+        timeout_s=CLAIM_MIN_IDLE_MS / 1000 + 10)
+
+
 def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
     client = redis_conn()
     stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
@@ -40,7 +48,7 @@ def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
                        cache_scope="1", prompt="x")
     client.xadd(stream, job.encode())
     client.xreadgroup(protocol.JOBS_GROUP, "dead-daemon", {stream: ">"})  # then it died
-    time.sleep(1.2)  # as long at least as a heartbeat key outlives its daemon's death
+    until_claimable(client, stream)
     served: list[str] = []
     b = Recovery(client, stream, "daemon-b", NoWriter(), lambda _e, j, _t: served.append("b"),
                  None)
@@ -75,7 +83,8 @@ def test_a_dead_daemons_entries_too_recent_to_claim_are_not_dropped_with_its_con
                         lambda _e, j, _t: served.append(j.id), None)
     try:
         recovery.reclaim_dead(dead_idle_ms=0)  # just read: not idle long enough to claim
-        time.sleep(1.2)
+        assert served == []
+        until_claimable(client, stream)
         recovery.reclaim_dead(dead_idle_ms=0)
         assert served == [job.id]
         recovery.reclaim_dead(dead_idle_ms=0)  # now without pending entries: the consumer goes

@@ -19,7 +19,7 @@ from scheduler_daemon.heartbeat import Heartbeat
 from scheduler_daemon.intake import Intake
 from scheduler_daemon.lifecycle import Lifecycle, State
 from scheduler_daemon.recovery import Recovery
-from tests.daemon.test_recovery import NoWriter
+from tests.daemon.test_recovery import NoWriter, until_claimable
 from tests.live_service import RedisServer, redis_conn, wait_until
 from wire import protocol
 
@@ -198,7 +198,7 @@ def test_a_consumer_that_reads_is_not_reclaimed_though_its_heartbeat_key_is_gone
     other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
                      None)
     try:
-        time.sleep(1.2)  # its entry is claimable by idle time (CLAIM_MIN_IDLE_MS)
+        until_claimable(client, stream)  # its entry is claimable by idle time
         client.xreadgroup(protocol.JOBS_GROUP, "live-daemon", {stream: ">"})  # still reading
         assert other.reclaim_dead() == 0
         assert served == []
@@ -223,7 +223,7 @@ def test_a_daemon_that_stopped_cleanly_is_reclaimed_without_the_idle_wait():
     other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
                      None)
     try:
-        time.sleep(1.2)  # claimable by idle time (CLAIM_MIN_IDLE_MS), not dead by the rule
+        until_claimable(client, stream)  # claimable by idle time, not dead by the rule
         assert other.reclaim_dead() == 0
         client.set(protocol.gone_key(name), 1, ex=60)
         assert other.reclaim_dead() == 1
