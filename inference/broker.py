@@ -498,7 +498,7 @@ async def unadmit(model: str, tenant_id: str, request_id: str) -> None:
 
 def route_of(job: protocol.Job) -> queue.Route:
     """How the enqueue places ``job`` in a fleet (settings ROUTING, ROUTE_BALANCE_ABS,
-    ROUTE_BALANCE_REL; wire/queue.py ENQUEUE says what each does)."""
+    ROUTE_BALANCE_REL; wire/lua/enqueue.lua's header says what each does)."""
     session = (affinity.session_key(job.model, job.session_hash) if job.session_hash
                else "")
     return queue.Route(
