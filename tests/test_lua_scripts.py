@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from wire import queue
-from wire.scripts import _DIR, _heads, _read, lua
+from wire.scripts import _DIR, _heads, _read, after, lua
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted(p.stem for p in _DIR.glob("*.lua"))
@@ -49,9 +49,8 @@ def test_the_header_names_every_entry_the_file_reads(name):
     header = _header(text)
     body = text[len(header):]
     named = _named(header)
-    after = re.match(r"-- After: (\w+)\.lua", text)
-    if after:  # the shared part names its own
-        named |= _named(_header(_read(after.group(1))))
+    for part in after(text):  # the shared parts name their own
+        named |= _named(_header(_read(part)))
     read = {(kind, int(i)) for kind, i in _ENTRY.findall(body)}
     assert read - named == set(), f"{name}.lua reads entries its header does not name"
 
@@ -59,10 +58,11 @@ def test_the_header_names_every_entry_the_file_reads(name):
 @pytest.mark.parametrize("name", SHARED)
 def test_a_shared_part_heads_the_files_that_name_it(name):
     heads = _heads(_read(name))
-    followers = [n for n in SCRIPTS if _read(n).startswith(f"-- After: {name}.lua\n")]
+    followers = [n for n in SCRIPTS if name in after(_read(n))]
     assert sorted(f"{n}.lua" for n in followers) == sorted(heads)
     for follower in followers:
-        assert lua(follower) == _read(name) + _read(follower)
+        parts = after(_read(follower))
+        assert lua(follower) == "".join(_read(p) for p in parts) + _read(follower)
     with pytest.raises(ValueError):
         lua(name)
 

@@ -1,4 +1,4 @@
--- After: in_flight.lua
+-- After: in_flight.lua, windows.lua
 -- Admits a request, or says why not, in one step. Given the model queue's keys (the gate,
 -- wire/queue.py), the model's queue is looked at first (queue_full, tenant_queue_full);
 -- then every tenant limit (budget, tokens and requests per minute, concurrency), before
@@ -116,31 +116,6 @@ end
 local oldest_bucket = math.floor(now) - window_s  -- buckets from here on are in the window
 local need = math.max(want, 1)  -- a request uses a token at least, reserved or not
 
-local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
-  local raw = redis.call('HGETALL', key)
-  local live, sum = {}, 0
-  for i = 1, #raw, 2 do
-    local bucket = tonumber(raw[i])
-    if bucket < oldest_bucket then
-      redis.call('HDEL', key, raw[i])
-    else
-      live[#live + 1] = {bucket, tonumber(raw[i + 1])}
-      sum = sum + live[#live][2]
-    end
-  end
-  table.sort(live, function(a, b) return a[1] < b[1] end)
-  return live, sum
-end
-
-local function wait(live, excess)  -- seconds until `excess` has left the window
-  local freed = 0
-  for i = 1, #live do
-    freed = freed + live[i][2]
-    if freed >= excess then return live[i][1] + window_s + 1 - now end
-  end
-  return window_s + 1
-end
-
 local worst = nil
 local function note(limit, how, retry, used)
   if worst == nil or retry > worst[3] then worst = {limit, how, retry, used} end
@@ -156,18 +131,22 @@ if budget >= 0 then
   elseif used + reserved + need > budget then note('budget', 'held', 1, used) end
 end
 
-local tpm_live, tokens = window(tpm_key)
+local tpm_live, tokens = window(tpm_key, oldest_bucket)
 if tpm >= 0 then
   if want > tpm then return never('tpm', window_s, tokens) end
   local excess = tokens + reserved + need - tpm
   if excess > tokens then note('tpm', 'held', 1, tokens)
-  elseif excess > 0 then note('tpm', 'over', wait(tpm_live, excess), tokens) end
+  elseif excess > 0 then
+    note('tpm', 'over', window_wait(tpm_live, excess, window_s, now), tokens)
+  end
 end
 
-local rpm_live, requests = window(rpm_key)
+local rpm_live, requests = window(rpm_key, oldest_bucket)
 if rpm >= 0 then
   if rpm < 1 then return never('rpm', window_s, requests) end
-  if requests >= rpm then note('rpm', 'over', wait(rpm_live, requests + 1 - rpm), requests) end
+  if requests >= rpm then
+    note('rpm', 'over', window_wait(rpm_live, requests + 1 - rpm, window_s, now), requests)
+  end
 end
 
 if concurrent >= 0 then

@@ -1,3 +1,4 @@
+-- After: windows.lua
 -- Counts a replay (a resume of a finished request: its stored stream sent again) in its
 -- tenant's replay window and, when the tenant has a requests-per-minute limit, in its
 -- requests window (a replay is a request's worth); or refuses it, counting nothing but the
@@ -30,38 +31,13 @@ if earlier_count > 0 and earlier_code ~= '' then
   redis.call('HINCRBY', tenant_refusals, earlier_code, earlier_count)
 end
 
-local function window(key)  -- live buckets, oldest first, and their sum; drops the rest
-  local raw = redis.call('HGETALL', key)
-  local live, sum = {}, 0
-  for i = 1, #raw, 2 do
-    local bucket = tonumber(raw[i])
-    if bucket < oldest then
-      redis.call('HDEL', key, raw[i])
-    else
-      live[#live + 1] = {bucket, tonumber(raw[i + 1])}
-      sum = sum + live[#live][2]
-    end
-  end
-  table.sort(live, function(a, b) return a[1] < b[1] end)
-  return live, sum
-end
-
-local function wait(live, excess)  -- seconds until `excess` has left the window
-  local freed = 0
-  for i = 1, #live do
-    freed = freed + live[i][2]
-    if freed >= excess then return live[i][1] + window_s + 1 - now end
-  end
-  return window_s + 1
-end
-
 local worst = nil
 local function check(key, limit, name, code)
   if limit < 0 then return end
-  local live, used = window(key)
+  local live, used = window(key, oldest)
   local how, retry = 'over', 0
   if limit < 1 then how, retry = 'too_big', window_s
-  elseif used >= limit then retry = wait(live, used + 1 - limit)
+  elseif used >= limit then retry = window_wait(live, used + 1 - limit, window_s, now)
   else return end
   if worst == nil or retry > worst.retry then
     worst = {name = name, how = how, retry = retry, used = used, code = code}
