@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from scheduler_daemon.intake import FAULT_MARKER, job_fingerprint
+from scheduler_daemon.service.intake import FAULT_MARKER, job_fingerprint
 from tests.live_service import wait_until
 from wire import protocol
 

@@ -23,10 +23,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from inference.history import DatabaseHistory
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.daemon import SchedulerDaemon
-from scheduler_daemon.liveness import LoopClock
-from scheduler_daemon.supervisor import supervise
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.liveness import LoopClock
+from scheduler_daemon.service.daemon import SchedulerDaemon
+from scheduler_daemon.service.supervisor import supervise
 from wire import protocol
 
 log = logging.getLogger("scheduler_daemon.run")

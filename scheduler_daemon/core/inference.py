@@ -214,7 +214,7 @@ class InferenceCore:
         """Load the model and size everything from Django settings (keyword overrides win)."""
         from django.conf import settings
 
-        from .engine import EngineConfig, LlamaEngine
+        from ..llama.engine import EngineConfig, LlamaEngine
 
         def get(name: str) -> Any:
             return overrides.get(name.lower(), getattr(settings, name))

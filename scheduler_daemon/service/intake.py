@@ -42,12 +42,12 @@ from wire import errors, ownership, protocol, queue
 from wire.backoff import Backoff
 from wire.errors import Refusal
 
-from .affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
-from .core import InferenceCore
+from ..core.affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
+from ..core.fair_queue import FairQueue
+from ..core.inference import InferenceCore
+from ..core.job_input import submit_arguments
+from ..core.lifecycle import Lifecycle, State
 from .event_writer import EventWriter
-from .fair_queue import FairQueue
-from .job_input import submit_arguments
-from .lifecycle import Lifecycle, State
 from .recovery import FRESH, Recovery, Takeover, as_text, quarantined_refusal
 
 log = logging.getLogger(__name__)

@@ -28,13 +28,13 @@ import redis
 
 from wire import protocol, queue
 
+from ..core.inference import InferenceCore
+from ..core.lifecycle import Lifecycle, State
 from .control import Control
-from .core import InferenceCore
 from .event_writer import EventWriter
 from .heartbeat import Heartbeat
 from .history import HistorySink
 from .intake import Intake
-from .lifecycle import Lifecycle, State
 from .watch import Watch
 
 log = logging.getLogger(__name__)
