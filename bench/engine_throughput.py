@@ -27,10 +27,10 @@ import time
 
 from _common import command, machine, model_path
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.engine_api import BatchRow
-from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.core.engine_api import BatchRow
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
 from wire.sampling import SamplingParams
 
 PROMPT_TOKENS = 100

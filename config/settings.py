@@ -329,7 +329,7 @@ KV_TENANT_SHARE = env_float("KV_TENANT_SHARE", 0.5)
 # PREEMPT_MIN_TOKENS since it got its slot. docs/scheduler.md, "Preemption".
 PREEMPTION = env_bool("PREEMPTION", True)
 PREEMPT_MIN_TOKENS = env_int("PREEMPT_MIN_TOKENS", 16)
-# Test-only: a job whose prompt holds scheduler_daemon.intake.FAULT_MARKER aborts the daemon
+# Test-only: a job whose prompt holds run_scheduler.FAULT_MARKER aborts the daemon
 # process, one holding run_scheduler.HANG_MARKER stops its loop for good (to test the
 # supervisor, its watchdog and the quarantine). Never on in production.
 FAULT_INJECTION = env_bool("FAULT_INJECTION", False)

@@ -63,7 +63,9 @@ def close_interrupted(request_id: str, error_code: str) -> int | None:
 
 
 class DatabaseHistory:
-    """The daemon's history sink (``scheduler_daemon.history.HistorySink``). Never raises."""
+    """The daemon's history sink (``scheduler_daemon.service.history.HistorySink``).
+
+    Never raises."""
 
     def mark_running(self, request_id: str, prompt_tokens: int) -> None:
         """The daemon accepted the request (never reopens a row that is already closed)."""

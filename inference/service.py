@@ -645,7 +645,7 @@ class CancelIfAbandoned:
                         tb: TracebackType | None) -> None:
         await self._watching.__aexit__(kind, exc, tb)
         if self.ended or (watch.enabled() and not self.at_once):
-            return  # past the grace, the daemon cancels it (scheduler_daemon/watch.py)
+            return  # past the grace, the daemon cancels it (scheduler_daemon/service/watch.py)
         if kind is not None and issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
             await cancel_quietly(self.request_id)
 

@@ -5,7 +5,7 @@ websocket resume) holds ``Watching(request_id)`` (``service.CancelIfAbandoned`` 
 task per process renews the keys of every request some reader holds, all in one pipeline,
 every ``renew_s()``. Each key lives RESUME_GRACE_S past its last renewal. When the last
 reader goes nothing is written: the key expires RESUME_GRACE_S later and the daemon cancels
-the request (scheduler_daemon/watch.py), unless a reader, of this process or of another
+the request (scheduler_daemon/service/watch.py), unless a reader, of this process or of another
 (perhaps one started since this one was killed), comes back first. The grace is the
 daemon's to enforce: a web process that dies can neither leave a request running for ever
 nor have it cancelled at once.

@@ -20,7 +20,7 @@ import pytest
 
 from inference import limits
 from inference.errors import ApiError
-from scheduler_daemon.recovery import Recovery
+from scheduler_daemon.service.recovery import Recovery
 from tests.live_service import redis_conn
 from wire import affinity, protocol, queue
 from wire import limits as wire_limits

@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from inference import broker, stream_reader
-from scheduler_daemon.event_writer import EventWriter
-from scheduler_daemon.lifecycle import Lifecycle
-from scheduler_daemon.state import TokenEvent
+from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.core.state import TokenEvent
+from scheduler_daemon.service.event_writer import EventWriter
 from tests.live_service import redis_conn
 from wire import protocol
 

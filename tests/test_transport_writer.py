@@ -7,9 +7,9 @@ import uuid
 import pytest
 import redis
 
-from scheduler_daemon.event_writer import EventWriter, next_slot
-from scheduler_daemon.lifecycle import Lifecycle
-from scheduler_daemon.state import FinishedEvent, RequestStats, TokenEvent
+from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.core.state import FinishedEvent, RequestStats, TokenEvent
+from scheduler_daemon.service.event_writer import EventWriter, next_slot
 from tests.live_service import redis_conn
 from wire import protocol
 

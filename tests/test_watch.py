@@ -1,6 +1,6 @@
 """The resume grace's two halves against a real Redis, no daemon, no web server: the web's
 watch keys (inference/watch.py, ``service.CancelIfAbandoned``) and the daemon's check of
-them (scheduler_daemon/watch.py). End to end: tests/chaos/test_resume_grace.py."""
+them (scheduler_daemon/service/watch.py). End to end: tests/chaos/test_resume_grace.py."""
 import asyncio
 import uuid
 
@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from inference import service, watch
-from scheduler_daemon.lifecycle import Lifecycle
-from scheduler_daemon.watch import CONFIRM_S, Watch
+from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.service.watch import CONFIRM_S, Watch
 from tests.live_service import redis_conn
 from wire import protocol
 

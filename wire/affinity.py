@@ -14,7 +14,7 @@ count (at most ``MAX_PIECES``). So:
 - the session (``session`` or ``user``) is hashed under the same salt for its key.
 
 Daemons record the chains of the jobs they start in their summary
-(``llm:affinity:<daemon>``, bounded per tenant: ``scheduler_daemon/affinity.py``); the
+(``llm:affinity:<daemon>``, bounded per tenant: ``scheduler_daemon/core/affinity.py``); the
 web's enqueue script routes by the longest match (``wire/queue.py``).
 """
 

@@ -1,6 +1,6 @@
 """Chat messages as the wire carries them: an OpenAI ``messages`` list checked into
 (role, text) pairs. The web checks them; the daemon renders them with the model's template
-(scheduler_daemon/chat.py)."""
+(scheduler_daemon/core/chat.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ import uuid
 
 import pytest
 
-from scheduler_daemon.intake import FAULT_MARKER, job_fingerprint
+from scheduler_daemon.management.commands.run_scheduler import FAULT_MARKER
+from scheduler_daemon.service.intake import job_fingerprint
 from tests.live_service import wait_until
 from wire import protocol
 

@@ -9,12 +9,12 @@ import uuid
 import pytest
 import redis
 
-from scheduler_daemon.chat import message_pairs
-from scheduler_daemon.control import Control
-from scheduler_daemon.event_writer import EventWriter
-from scheduler_daemon.intake import Intake, job_fingerprint
-from scheduler_daemon.job_input import sampling_params, submit_arguments
-from scheduler_daemon.lifecycle import Lifecycle, State
+from scheduler_daemon.core.chat import message_pairs
+from scheduler_daemon.core.job_input import sampling_params, submit_arguments
+from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.control import Control
+from scheduler_daemon.service.event_writer import EventWriter
+from scheduler_daemon.service.intake import Intake, job_fingerprint
 from tests.live_service import redis_conn
 from wire import protocol
 from wire.errors import InvalidParameter

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import uuid
 
-from scheduler_daemon.event_writer import EventWriter
-from scheduler_daemon.intake import Intake
-from scheduler_daemon.lifecycle import Lifecycle
+from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.service.event_writer import EventWriter
+from scheduler_daemon.service.intake import Intake
 from tests.live_service import redis_conn
 from wire import protocol
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 import uuid
 
-from scheduler_daemon.event_writer import EventWriter
-from scheduler_daemon.intake import Intake
-from scheduler_daemon.lifecycle import Lifecycle, State
+from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.event_writer import EventWriter
+from scheduler_daemon.service.intake import Intake
 from tests.live_service import redis_conn, wait_until
 from wire import errors, protocol
 

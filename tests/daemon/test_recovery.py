@@ -17,8 +17,8 @@ import json
 import uuid
 from typing import Any
 
-from scheduler_daemon.intake import job_fingerprint
-from scheduler_daemon.recovery import CLAIM_MIN_IDLE_MS, Recovery
+from scheduler_daemon.service.intake import job_fingerprint
+from scheduler_daemon.service.recovery import CLAIM_MIN_IDLE_MS, Recovery
 from tests.live_service import redis_conn, wait_until
 from wire import protocol
 

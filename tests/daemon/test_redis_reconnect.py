@@ -13,12 +13,12 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from scheduler_daemon.control import Control
-from scheduler_daemon.event_writer import EventWriter
-from scheduler_daemon.heartbeat import Heartbeat
-from scheduler_daemon.intake import Intake
-from scheduler_daemon.lifecycle import Lifecycle, State
-from scheduler_daemon.recovery import Recovery
+from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.control import Control
+from scheduler_daemon.service.event_writer import EventWriter
+from scheduler_daemon.service.heartbeat import Heartbeat
+from scheduler_daemon.service.intake import Intake
+from scheduler_daemon.service.recovery import Recovery
 from tests.daemon.test_recovery import NoWriter, until_claimable
 from tests.live_service import RedisServer, redis_conn, wait_until
 from wire import protocol

@@ -1,6 +1,6 @@
 """A hang is a crash: the supervisor kills a daemon whose loop stops turning, and restarts it.
 
-The supervisor's watchdog reads the child's loop clock (scheduler_daemon/liveness.py) from
+The supervisor's watchdog reads the child's loop clock (scheduler_daemon/core/liveness.py) from
 its own process. First with a stand-in child (a few lines of Python that mark the clock, then
 stop marking), then with a real daemon (Gemma) whose loop is stopped for good by the
 composition root's test hook (``run_scheduler.HANG_MARKER``, under ``FAULT_INJECTION``):
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_daemon import supervisor
-from scheduler_daemon.intake import job_fingerprint
 from scheduler_daemon.management.commands.run_scheduler import HANG_MARKER
+from scheduler_daemon.service import supervisor
+from scheduler_daemon.service.intake import job_fingerprint
 from tests.live_service import wait_until
 from wire import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent("""
     import os, sys, time
-    from scheduler_daemon.liveness import LoopClock
+    from scheduler_daemon.core.liveness import LoopClock
     runs = open(sys.argv[1], "a")
     runs.write(f"{os.environ['DAEMON_RESTARTS']}|{os.environ['DAEMON_LAST_EXIT']}\\n")
     runs.close()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_daemon.scheduler import Scheduler, SchedulerConfig
-from scheduler_daemon.state import FinishedEvent, TokenEvent
+from scheduler_daemon.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_daemon.core.state import FinishedEvent, TokenEvent
 
 from .fake_engine import FakeEngine
 
@@ -84,7 +84,7 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def gemma_engine():
     """One real llama.cpp context over Gemma 3 270M, shared by a test module."""
-    from scheduler_daemon.engine import EngineConfig, LlamaEngine
+    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(
         EngineConfig(
@@ -102,8 +102,8 @@ def gemma_engine():
 @pytest.fixture
 def core(gemma_engine):
     """A started core over the module's engine (chunked prefill 512, queue 16)."""
-    from scheduler_daemon.core import InferenceCore
-    from scheduler_daemon.scheduler import SchedulerConfig
+    from scheduler_daemon.core.inference import InferenceCore
+    from scheduler_daemon.core.scheduler import SchedulerConfig
 
     core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
     core.start()

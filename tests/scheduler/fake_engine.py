@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_daemon.engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
+from scheduler_daemon.core.engine_api import DECODE_ABORTED, DECODE_KV_FULL, DECODE_OK, BatchRow
 from wire.sampling import SamplingParams
 
 EOG = 2

@@ -7,12 +7,12 @@ import os
 import pytest
 
 from config.models import CATALOG, SMOLLM2
-from scheduler_daemon.chat import ChatRenderer
+from scheduler_daemon.core.chat import ChatRenderer
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from scheduler_daemon.engine import EngineConfig, LlamaEngine
+    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
 
     path = CATALOG[SMOLLM2].path()
     if path is None:

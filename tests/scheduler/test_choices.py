@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import FinishedEvent, TokenEvent
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import FinishedEvent, TokenEvent
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
 

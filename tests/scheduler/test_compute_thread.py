@@ -36,9 +36,9 @@ def foreign_threads():
     python = {t.native_id for t in threading.enumerate()}
     return sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) not in python)
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
+from scheduler_daemon.core.scheduler import SchedulerConfig
 from wire.sampling import SamplingParams
 
 before = foreign_threads()
@@ -83,8 +83,8 @@ def test_the_engine_and_the_loop_make_one_openmp_team():
 WARNING_CHILD = r"""
 import logging, sys, threading
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from scheduler_daemon.engine import EngineConfig, LlamaEngine
-from scheduler_daemon.engine_api import BatchRow
+from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
+from scheduler_daemon.core.engine_api import BatchRow
 
 engine = LlamaEngine(EngineConfig(model_path=sys.argv[1], n_ctx=512, n_batch=64,
                                   n_seq_max=1, n_threads=2))

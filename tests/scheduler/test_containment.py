@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.engine_api import GrammarEnded, RowFailed
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import Request
+from scheduler_daemon.core.engine_api import GrammarEnded, RowFailed
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import Request
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 

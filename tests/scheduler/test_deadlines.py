@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.job_input import submit_arguments
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import Request, SlotState, Status
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.job_input import submit_arguments
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import Request, SlotState, Status
 from wire import protocol
 from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams

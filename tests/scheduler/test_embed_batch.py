@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from scheduler_daemon.embed_batch import EmbeddingBatcher, EmbeddingJob
+from scheduler_daemon.core.embed_batch import EmbeddingBatcher, EmbeddingJob
 
 N_CTX, N_BATCH, N_SEQ = 2048, 128, 16
 

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from scheduler_daemon.core import DEFAULT_EMBEDDINGS_TENANT_TOKENS, InferenceCore
-from scheduler_daemon.engine import Embedder, EngineError
-from scheduler_daemon.engine_api import normalized
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import FinishedEvent
+from scheduler_daemon.core.engine_api import normalized
+from scheduler_daemon.core.inference import DEFAULT_EMBEDDINGS_TENANT_TOKENS, InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import FinishedEvent
+from scheduler_daemon.llama.engine import Embedder, EngineError
 from wire import errors, protocol
 from wire.errors import Refusal
 from wire.sampling import SamplingParams

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from scheduler_daemon.fair_queue import FairQueue
-from scheduler_daemon.intake import PrepareQueue
+from scheduler_daemon.core.fair_queue import FairQueue
+from scheduler_daemon.service.intake import PrepareQueue
 from wire import protocol
 
 

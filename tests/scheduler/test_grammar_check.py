@@ -395,7 +395,7 @@ def test_schema_text_from_the_wire():
 @pytest.fixture
 def grammar_for():
     pytest.importorskip("llama_cpp")
-    from scheduler_daemon.engine import LlamaEngine
+    from scheduler_daemon.llama.engine import LlamaEngine
 
     return lambda params: LlamaEngine.grammar_for(None, params)  # uses no engine state
 

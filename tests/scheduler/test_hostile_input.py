@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.scheduler import SchedulerConfig
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
@@ -96,7 +96,7 @@ def test_a_grammar_that_allows_no_token_fails_that_request_alone(core):
 
 
 def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
-    from scheduler_daemon.engine import _LlamaLogSink
+    from scheduler_daemon.llama.engine import _LlamaLogSink
 
     sink = _LlamaLogSink()
     forged = '{"event":"request_end","request_id":"forged"}'
@@ -108,7 +108,7 @@ def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
 
 
 def test_a_grammar_too_costly_to_follow_fails_that_request_alone(core, monkeypatch):
-    from scheduler_daemon import engine
+    from scheduler_daemon.llama import engine
 
     monkeypatch.setattr(engine, "MAX_GRAMMAR_STEP_S", 0.0)  # every grammar step is "too slow"
     # (an ambiguous grammar is refused before it runs now: wire/grammar_cost.py; with the

@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 import time
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.liveness import RUNNING, STOPPED, UNARMED, LoopClock
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import FinishedEvent, Request
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.liveness import RUNNING, STOPPED, UNARMED, LoopClock
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import FinishedEvent, Request
 from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine, FakeSampler

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from scheduler_daemon.engine import logprobs_of
-from scheduler_daemon.state import TokenEvent
+from scheduler_daemon.core.state import TokenEvent
+from scheduler_daemon.llama.engine import logprobs_of
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
 
@@ -83,7 +83,7 @@ def test_a_request_that_asks_none_gets_none(core):
 def test_coalesced_token_events_keep_every_tokens_logprobs_in_order():
     """A slow writer merges a request's consecutive token events: their logprobs entries are
     concatenated like their ids (and none appear for a request that asked none)."""
-    from scheduler_daemon.event_writer import Outgoing, coalesce
+    from scheduler_daemon.service.event_writer import Outgoing, coalesce
     from wire import protocol
 
     def token(rid, text, entries=None):

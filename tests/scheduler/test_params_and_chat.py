@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scheduler_daemon.chat import ChatRenderer
+from scheduler_daemon.core.chat import ChatRenderer
 from wire.errors import InvalidParameter
 from wire.messages import parse_messages
 from wire.sampling import SamplingParams

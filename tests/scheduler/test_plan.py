@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_daemon.plan import Phase
-from scheduler_daemon.state import Request
+from scheduler_daemon.core.plan import Phase
+from scheduler_daemon.core.state import Request
 from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine

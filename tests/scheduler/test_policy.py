@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_daemon.state import Request, SlotState
+from scheduler_daemon.core.state import Request, SlotState
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 

@@ -9,9 +9,9 @@ fallback to recompute, and ends while preempted. The fake sampler of seed s yiel
 
 from __future__ import annotations
 
-from scheduler_daemon.plan import Phase
-from scheduler_daemon.ram_cache import RamCache
-from scheduler_daemon.state import Request, TokenEvent
+from scheduler_daemon.core.plan import Phase
+from scheduler_daemon.core.ram_cache import RamCache
+from scheduler_daemon.core.state import Request, TokenEvent
 from wire.sampling import SamplingParams
 
 from .fake_engine import FakeEngine

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from scheduler_daemon.engine_api import DECODE_OK, BatchRow
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import FinishedEvent, TokenEvent
+from scheduler_daemon.core.engine_api import DECODE_OK, BatchRow
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import FinishedEvent, TokenEvent
 from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ class Recorder:
 
 @pytest.fixture
 def preempting_core(gemma_engine):
-    from scheduler_daemon.core import InferenceCore
+    from scheduler_daemon.core.inference import InferenceCore
 
     rec = Recorder()
     core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16,

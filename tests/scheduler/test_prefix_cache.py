@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import TokenEvent
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import TokenEvent
 from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from scheduler_daemon.scheduler import Scheduler, SchedulerConfig
+from scheduler_daemon.core.scheduler import Scheduler, SchedulerConfig
 
 from .fake_engine import FakeEngine
 from .test_prefix_cache_policy import SYSTEM, hit_tokens, req, run_one, toks, user

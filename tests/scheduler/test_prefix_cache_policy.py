@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_daemon.ram_cache import RamCache
-from scheduler_daemon.state import Request
+from scheduler_daemon.core.ram_cache import RamCache
+from scheduler_daemon.core.state import Request
 from wire.sampling import SamplingParams
 
 from .fake_engine import STATE_HEADER_BYTES, FakeEngine
@@ -358,7 +358,7 @@ def test_snapshot_lists_cache_entries_without_tokens(harness):
 
 
 def test_evict_scope_forgets_only_that_scope_in_idle_slots(harness):
-    from scheduler_daemon.state import Request
+    from scheduler_daemon.core.state import Request
     from wire.sampling import SamplingParams
 
     h = harness()

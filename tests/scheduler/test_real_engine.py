@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.scheduler import SchedulerConfig
-from scheduler_daemon.state import TokenEvent
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import TokenEvent
 from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
@@ -206,7 +206,7 @@ def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine):
 
 
 def test_tiny_context_kv_pressure_fails_only_the_oversized_request():
-    from scheduler_daemon.engine import EngineConfig, LlamaEngine
+    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
 
     engine = LlamaEngine(
         EngineConfig(model_path=model_path(), n_ctx=512, n_batch=512, n_seq_max=4, n_threads=2)

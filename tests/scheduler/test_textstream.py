@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_daemon.textstream import TextStream
+from scheduler_daemon.core.textstream import TextStream
 
 
 def feed_all(stream: TextStream, pieces: list[bytes]) -> list[str]:

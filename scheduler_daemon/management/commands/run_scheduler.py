@@ -23,10 +23,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from inference.history import DatabaseHistory
-from scheduler_daemon.core import InferenceCore
-from scheduler_daemon.daemon import SchedulerDaemon
-from scheduler_daemon.liveness import LoopClock
-from scheduler_daemon.supervisor import supervise
+from scheduler_daemon.core.inference import InferenceCore
+from scheduler_daemon.core.liveness import LoopClock
+from scheduler_daemon.service.daemon import SchedulerDaemon
+from scheduler_daemon.service.supervisor import supervise
 from wire import protocol
 
 log = logging.getLogger("scheduler_daemon.run")
@@ -51,11 +51,35 @@ CONFIG_SETTINGS = (
     "SAMPLER_DEADLINE_S",
 )
 
+# Test-only (FAULT_INJECTION): a job whose prompt holds this aborts the process at the loop's
+# next turn while the job is queued or running, before it produces a token, as a native crash
+# would (recovery counts the death against it; two deaths quarantine it).
+FAULT_MARKER = "__abort_the_daemon__"
+
 # Test-only (FAULT_INJECTION): a job whose prompt holds this stops the scheduler loop for good
 # at the end of the first tick it is in, holding the scheduler's lock and naming the request
 # as the one it samples, as a sampler that never returns would (the supervisor's watchdog
 # must kill and restart the daemon; recovery blames that request alone).
 HANG_MARKER = "<<hang-the-loop>>"
+
+
+def abort_when_marked(daemon: SchedulerDaemon) -> None:
+    """Install the abort hook: a stand-in for a native crash, outside the production loop.
+    The job is marked before the core queues it, so no tick runs it before the check."""
+    marked: set[str] = set()
+
+    def starting(job: protocol.Job) -> None:
+        if FAULT_MARKER in json.dumps([job.prompt, job.messages]):
+            marked.add(job.id)
+            daemon.core.scheduler.wake()
+
+    def turn() -> None:
+        if marked and marked & daemon.core.scheduler.request_ids():
+            log.critical("fault injection: aborting the process")
+            os.abort()
+
+    daemon.intake.starting.append(starting)
+    daemon.core.turn_hooks.append(turn)
 
 
 def hang_when_marked(daemon: SchedulerDaemon) -> None:
@@ -151,14 +175,14 @@ class Command(BaseCommand):
             daemon_id=options["daemon_id"],
             config_info={name.lower(): getattr(settings, name) for name in CONFIG_SETTINGS},
             stream_interval_s=settings.STREAM_INTERVAL_MS / 1000,
-            fault_injection=settings.FAULT_INJECTION,
             history=DatabaseHistory(),
             capacity=capacity,
             queue_allowance=(settings.MAX_QUEUE, settings.MAX_QUEUE_PER_TENANT),
             run_info={"restarts": int(os.environ.get("DAEMON_RESTARTS") or 0),
                       "last_exit": os.environ.get("DAEMON_LAST_EXIT") or None},
         )
-        if settings.FAULT_INJECTION:
+        if settings.FAULT_INJECTION:  # the test-only hooks, never in a production run
+            abort_when_marked(daemon)
             hang_when_marked(daemon)
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
         daemon.intake.vocab_tenant_jobs = settings.VOCAB_TENANT_JOBS

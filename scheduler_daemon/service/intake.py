@@ -42,12 +42,12 @@ from wire import errors, ownership, protocol, queue
 from wire.backoff import Backoff
 from wire.errors import Refusal
 
-from .affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
-from .core import InferenceCore
+from ..core.affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
+from ..core.fair_queue import FairQueue
+from ..core.inference import InferenceCore
+from ..core.job_input import submit_arguments
+from ..core.lifecycle import Lifecycle, State
 from .event_writer import EventWriter
-from .fair_queue import FairQueue
-from .job_input import submit_arguments
-from .lifecycle import Lifecycle, State
 from .recovery import FRESH, Recovery, Takeover, as_text, quarantined_refusal
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,6 @@ VOCAB_JOBS = 16
 FULL_POLL_S = 0.02  # a full daemon looks for room this often
 ALIVE_EVERY_S = 0.5  # ... and shows its consumer alive this often (recovery's idle check)
 DRAIN_WINDOW_S = 30.0  # the rate jobs were taken at is measured over this long
-# Test-only fault hook (setting FAULT_INJECTION): a job whose prompt holds this text makes
-# the daemon abort the process at its first tick, like a native crash would.
-FAULT_MARKER = "__abort_the_daemon__"
 
 
 def job_fingerprint(job: protocol.Job) -> str:
@@ -133,7 +130,6 @@ class Intake:
         daemon_id: str,
         lifecycle: Lifecycle,
         writer: EventWriter,
-        fault_injection: bool = False,
         capacity: int = PREPARE_QUEUE_MAX,
     ) -> None:
         """``capacity``: the jobs this daemon holds at most (read and not ended)."""
@@ -144,12 +140,13 @@ class Intake:
         self.daemon_id = daemon_id
         self.lifecycle = lifecycle
         self.writer = writer
-        self.fault_injection = fault_injection
         self.jobs_stream = protocol.jobs_stream(model)
         self.running_key = protocol.running_key(daemon_id)
         self.prepare = PrepareQueue()
         self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
         self.started: list[Callable[[protocol.Job], None]] = []  # told of each accepted job
+        # told of each generation job just before the core queues it
+        self.starting: list[Callable[[protocol.Job], None]] = []
         self.recovery = Recovery(
             client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
         )
@@ -396,8 +393,8 @@ class Intake:
             self._start_embeddings(job, entry_id)
             return
         self.writer.hold(job.id)
-        if self.fault_injection and FAULT_MARKER in json.dumps([job.prompt, job.messages]):
-            self.core.abort_process_when_running(job.id)  # test-only: before its first tick
+        for listener in self.starting:
+            listener(job)
         try:
             echo: str | list[str] | None = None
             if job.echo and job.kind == "completion":  # each choice's own prompt, as text

@@ -21,8 +21,8 @@ import redis
 from wire import protocol
 from wire.backoff import Backoff
 
-from .core import InferenceCore
-from .lifecycle import Lifecycle, State
+from ..core.inference import InferenceCore
+from ..core.lifecycle import Lifecycle, State
 from .recovery import as_text
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import redis
 
 from wire import protocol
 
-from .lifecycle import Lifecycle, State
+from ..core.lifecycle import Lifecycle, State
 
 log = logging.getLogger(__name__)
 

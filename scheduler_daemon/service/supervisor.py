@@ -29,9 +29,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .liveness import LoopClock
+from ..core.liveness import LoopClock
 
-log = logging.getLogger("scheduler_daemon.supervisor")
+log = logging.getLogger("scheduler_daemon.service.supervisor")
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0

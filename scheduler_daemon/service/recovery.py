@@ -42,8 +42,8 @@ import redis
 from wire import ownership, protocol, queue
 from wire.errors import Refusal
 
+from ..core.state import Continuation
 from .event_writer import EventWriter
-from .state import Continuation
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import redis
 from wire import limits, protocol, queue
 from wire.backoff import Backoff
 
+from ..core.lifecycle import Lifecycle
+from ..core.state import Event, FinishedEvent, TokenEvent
 from .history import HistorySink, NoHistory
-from .lifecycle import Lifecycle
-from .state import Event, FinishedEvent, TokenEvent
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request

@@ -27,7 +27,7 @@ from wire.errors import InvalidParameter
 from wire.grammar_check import check_grammar, check_json_schema
 from wire.sampling import SamplingParams
 
-from .engine_api import (
+from ..core.engine_api import (
     DECODE_ABORTED,
     DECODE_KV_FULL,
     DECODE_OK,

@@ -17,7 +17,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prefix_cache import common_prefix_len
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case, compared at C speed
+        return n
+    i = 0
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass(slots=True, eq=False)

@@ -28,12 +28,10 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from .ram_cache import RamCache, RamEntry, common_prefix_len
 from .state import CacheEvent, RequestState, Slot, SlotState
-
-if TYPE_CHECKING:
-    from .ram_cache import RamCache, RamEntry
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +51,6 @@ class CacheEngine(Protocol):
     def state_size(self, seq_id: int) -> int: ...
     def state_save(self, seq_id: int, size_bytes: int) -> Any | None: ...
     def state_restore(self, seq_id: int, data: Any) -> bool: ...
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case, compared at C speed
-        return n
-    i = 0
-    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
-        i += 64
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass(slots=True)

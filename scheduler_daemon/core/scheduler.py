@@ -36,8 +36,8 @@ from .engine_api import (
 )
 from .fair_queue import FairQueue
 from .plan import Phase, PlannedRow, TickPlan
-from .prefix_cache import CacheEngine, PrefixCache, common_prefix_len
-from .ram_cache import RamCache
+from .prefix_cache import CacheEngine, PrefixCache
+from .ram_cache import RamCache, common_prefix_len
 from .state import (
     FINISH_REASON,
     CacheEvent,

@@ -23,10 +23,10 @@ from wire import protocol, queue
 from wire.backoff import Backoff
 from wire.protocol import as_text
 
-from .affinity import SUMMARY_TTL_S
-from .core import InferenceCore
+from ..core.affinity import SUMMARY_TTL_S
+from ..core.inference import InferenceCore
+from ..core.lifecycle import Lifecycle, State
 from .intake import Intake
-from .lifecycle import Lifecycle, State
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ import redis
 
 from wire import protocol, queue
 
+from ..core.inference import InferenceCore
+from ..core.lifecycle import Lifecycle, State
 from .control import Control
-from .core import InferenceCore
 from .event_writer import EventWriter
 from .heartbeat import Heartbeat
 from .history import HistorySink
 from .intake import Intake
-from .lifecycle import Lifecycle, State
 from .watch import Watch
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ class SchedulerDaemon:
         daemon_id: str | None = None,
         config_info: dict[str, Any] | None = None,
         stream_interval_s: float = 0.0,
-        fault_injection: bool = False,
         history: HistorySink | None = None,
         capacity: int | None = None,
         queue_allowance: tuple[int, int] | None = None,
@@ -61,12 +60,11 @@ class SchedulerDaemon:
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
-        ``stream_interval_s``: see ``EventWriter``. ``fault_injection``: the test-only hook
-        (``intake.FAULT_MARKER``). ``capacity``: the jobs it holds at most (its slots plus
-        its local queue; default: ``intake.PREPARE_QUEUE_MAX``). ``queue_allowance``: what
-        it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT; default: the core's
-        queue caps). ``run_info``: what the supervisor said of this run (restarts, how the
-        last run ended), published in the snapshot."""
+        ``stream_interval_s``: see ``EventWriter``. ``capacity``: the jobs it holds at most
+        (its slots plus its local queue; default: ``intake.PREPARE_QUEUE_MAX``).
+        ``queue_allowance``: what it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT;
+        default: the core's queue caps). ``run_info``: what the supervisor said of this run
+        (restarts, how the last run ended), published in the snapshot."""
         self.core = core
         self.redis = client
         self.model = model
@@ -76,7 +74,7 @@ class SchedulerDaemon:
             client, model, self.daemon_id, self.lifecycle, history, stream_interval_s
         )
         self.intake = Intake(
-            core, client, model, self.daemon_id, self.lifecycle, self.writer, fault_injection,
+            core, client, model, self.daemon_id, self.lifecycle, self.writer,
             **({} if capacity is None else {"capacity": capacity}),
         )
         self.heartbeat = Heartbeat(

@@ -189,7 +189,9 @@ class InferenceCore:
         self._embed_tokens_per_s = 100.0  # measured decode by decode (Retry-After)
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
         self.max_prompt_bytes = max_prompt_bytes
-        self._abort_ids: set[str] = set()  # test-only fault hook (FAULT_INJECTION)
+        # called at the start of each loop turn, before its tick (the composition root's
+        # fault hooks: run_scheduler.abort_when_marked)
+        self.turn_hooks: list[Callable[[], None]] = []
         self.chat = ChatRenderer(engine, chat_template)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
         self.listeners: list[Callable[[Event], None]] = []
@@ -214,7 +216,7 @@ class InferenceCore:
         """Load the model and size everything from Django settings (keyword overrides win)."""
         from django.conf import settings
 
-        from .engine import EngineConfig, LlamaEngine
+        from ..llama.engine import EngineConfig, LlamaEngine
 
         def get(name: str) -> Any:
             return overrides.get(name.lower(), getattr(settings, name))
@@ -314,9 +316,8 @@ class InferenceCore:
                 self._log_slow_turn(now - last)
             self.longest_turn_s, last = max(self.longest_turn_s, now - last), now
             try:
-                if self._abort_ids and self._abort_ids & self.scheduler.request_ids():
-                    log.critical("fault injection: aborting the process")
-                    os.abort()
+                for hook in self.turn_hooks:
+                    hook()
                 generating = self.scheduler.has_work()
                 embedded = False
                 if self._embedding_jobs and (not generating or self._embed_owed_s <= 0):
@@ -814,12 +815,6 @@ class InferenceCore:
                 prompt_bytes=n_bytes,
                 max_prompt_bytes=self.max_prompt_bytes,
             )
-
-    def abort_process_when_running(self, request_id: str) -> None:
-        """Test-only fault hook: abort the whole process at the loop's next turn while this
-        request is queued or running (before it produces a token)."""
-        self._abort_ids.add(request_id)
-        self.scheduler.wake()
 
     def _tokenize(self, text: str, field: str) -> list[int]:
         try:

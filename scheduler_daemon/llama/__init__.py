@@ -1,0 +1,1 @@
+"""The llama.cpp layer: the only package that imports ``llama_cpp``."""
