@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from wire.errors import InvalidParameter
-from wire.grammar_check import check_json_schema
 from wire.sampling import require_text
+from wire.schema_check import check_json_schema
 
 MAX_TOOLS = 64
 MAX_DESCRIPTION_CHARS = 4096

@@ -138,7 +138,7 @@ def _grammar(name: str, value: Any) -> str:
 
 
 def _json_schema(name: str, value: Any) -> str:
-    from .grammar_check import MAX_SCHEMA_BYTES, check_json_schema
+    from .schema_check import MAX_SCHEMA_BYTES, check_json_schema
 
     if isinstance(value, str):
         if len(value) > MAX_SCHEMA_BYTES:

@@ -1,6 +1,6 @@
 """Tenants' grammars and JSON schemas are checked before llama.cpp's grammar parser sees them
-(``scheduler_daemon/grammar_check.py``): the unit tests need no model; the differential
-tests (slow) run llama.cpp's own parser in a throwaway subprocess."""
+(``wire/grammar_check.py``, ``wire/schema_check.py``): the unit tests need no model; the
+differential tests (slow) run llama.cpp's own parser in a throwaway subprocess."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import textwrap
 import pytest
 
 from wire import grammar_check as gc
+from wire import schema_check as sc
 from wire.errors import InvalidParameter
-from wire.grammar_check import check_grammar, check_json_schema, grammar_stats
+from wire.grammar_check import check_grammar, grammar_stats
 from wire.sampling import SamplingParams
+from wire.schema_check import check_json_schema
 
 # llama.cpp's grammars/json.gbnf (MIT licence), as vendored in llama-cpp-python 0.3.36.
 LLAMA_JSON_GBNF = r"""root   ::= object
@@ -132,7 +134,7 @@ def test_lone_surrogate_in_a_grammar_is_refused():
 
 def test_the_issue_schema_is_refused_before_conversion():
     message = schema_refused(ISSUE_SCHEMA)
-    assert f"maxLength above {gc.MAX_SCHEMA_COUNT}" in message
+    assert f"maxLength above {sc.MAX_SCHEMA_COUNT}" in message
     with pytest.raises(InvalidParameter) as info:
         SamplingParams.from_dict({"json_schema": ISSUE_SCHEMA})
     assert info.value.param == "json_schema"
@@ -293,8 +295,8 @@ def deep_schema(depth: int) -> dict:
 
 TYPICAL_SCHEMAS = [
     {"type": "object"},
-    {"type": "string", "maxLength": gc.MAX_SCHEMA_OPTIONAL},
-    {"type": "string", "minLength": gc.MAX_SCHEMA_COUNT, "maxLength": gc.MAX_SCHEMA_COUNT},
+    {"type": "string", "maxLength": sc.MAX_SCHEMA_OPTIONAL},
+    {"type": "string", "minLength": sc.MAX_SCHEMA_COUNT, "maxLength": sc.MAX_SCHEMA_COUNT},
     {
         "type": "object",
         "properties": {
@@ -322,7 +324,7 @@ TYPICAL_SCHEMAS = [
     },
     {"type": "integer", "exclusiveMinimum": True, "minimum": -(10**18)},
     {"enum": [f"code-{i}" for i in range(100)]},
-    deep_schema(gc.MAX_SCHEMA_DEPTH - 1),
+    deep_schema(sc.MAX_SCHEMA_DEPTH - 1),
 ]
 
 
@@ -336,10 +338,10 @@ def test_typical_schemas_are_accepted(schema):
 @pytest.mark.parametrize(
     "schema, needle",
     [
-        ({"type": "string", "minLength": gc.MAX_SCHEMA_COUNT + 1}, "minLength above"),
+        ({"type": "string", "minLength": sc.MAX_SCHEMA_COUNT + 1}, "minLength above"),
         ({"type": "array", "minItems": 10**8}, "minItems above"),
         (
-            {"type": "string", "maxLength": gc.MAX_SCHEMA_OPTIONAL + 1},
+            {"type": "string", "maxLength": sc.MAX_SCHEMA_OPTIONAL + 1},
             "maxLength - minLength above",
         ),
         ({"type": "string", "minLength": 5, "maxLength": 4}, "minLength is greater than maxLength"),
@@ -347,7 +349,7 @@ def test_typical_schemas_are_accepted(schema):
         ({"type": "object", "maxProperties": True}, "must be a non-negative integer"),
         ({"type": "string", "pattern": "^a{0,100000}$"}, "quantifier count above"),
         (
-            {"type": "string", "pattern": f"^a{{0,{gc.MAX_SCHEMA_OPTIONAL + 1}}}$"},
+            {"type": "string", "pattern": f"^a{{0,{sc.MAX_SCHEMA_OPTIONAL + 1}}}$"},
             "optional repetitions",
         ),
         ({"type": "string", "pattern": "^a{5,3}$"}, "min > max"),
@@ -362,11 +364,11 @@ def test_typical_schemas_are_accepted(schema):
         ({"properties": {"\ud800": {}}}, "not valid Unicode"),
         ({"enum": ["a\x00"]}, "NUL"),
         ({"const": float("nan")}, "finite"),
-        (deep_schema(gc.MAX_SCHEMA_DEPTH + 1), f"nested deeper than {gc.MAX_SCHEMA_DEPTH}"),
-        (deep_schema(100_000), f"nested deeper than {gc.MAX_SCHEMA_DEPTH}"),
-        ({"enum": ["x" * 1000] * 100}, f"longer than {gc.MAX_SCHEMA_BYTES} bytes"),
-        ({"enum": list(range(gc.MAX_SCHEMA_NODES + 1))}, f"more than {gc.MAX_SCHEMA_NODES} values"),
-        ({"properties": {f"p{i}": {} for i in range(gc.MAX_SCHEMA_PROPERTIES + 1)}}, "properties"),
+        (deep_schema(sc.MAX_SCHEMA_DEPTH + 1), f"nested deeper than {sc.MAX_SCHEMA_DEPTH}"),
+        (deep_schema(100_000), f"nested deeper than {sc.MAX_SCHEMA_DEPTH}"),
+        ({"enum": ["x" * 1000] * 100}, f"longer than {sc.MAX_SCHEMA_BYTES} bytes"),
+        ({"enum": list(range(sc.MAX_SCHEMA_NODES + 1))}, f"more than {sc.MAX_SCHEMA_NODES} values"),
+        ({"properties": {f"p{i}": {} for i in range(sc.MAX_SCHEMA_PROPERTIES + 1)}}, "properties"),
         ({1: "x"}, "keys must be strings"),
         ({"enum": {1, 2}}, "not JSON"),
         ([{"type": "string"}], "must be a JSON object"),
@@ -382,7 +384,7 @@ def test_schema_text_from_the_wire():
         SamplingParams.from_dict({"json_schema": '{"a": ' + deep + "}"})
     assert info.value.param == "json_schema"
     with pytest.raises(InvalidParameter):
-        SamplingParams.from_dict({"json_schema": " " * (gc.MAX_SCHEMA_BYTES + 1) + "{}"})
+        SamplingParams.from_dict({"json_schema": " " * (sc.MAX_SCHEMA_BYTES + 1) + "{}"})
     with pytest.raises(InvalidParameter):  # Python's int parsing limit: ValueError
         SamplingParams.from_dict({"json_schema": '{"minimum": ' + "9" * 5000 + "}"})
     params = SamplingParams.from_dict({"json_schema": '{"type": "string", "maxLength": 8}'})
@@ -661,7 +663,7 @@ def random_grammar(rng: random.Random) -> str:
 
 SCHEMA_CORPUS = (
     TYPICAL_SCHEMAS
-    + [{"type": "string", "maxLength": n} for n in (1, 2, 64, gc.MAX_SCHEMA_OPTIONAL)]
+    + [{"type": "string", "maxLength": n} for n in (1, 2, 64, sc.MAX_SCHEMA_OPTIONAL)]
     + [
         {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 200},
         {"type": "string", "pattern": "^(ab|c[d-f]{2,5})+x?$"},
