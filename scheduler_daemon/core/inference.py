@@ -24,18 +24,16 @@ web validated everything else before the job was queued.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from wire import errors, protocol
@@ -43,28 +41,15 @@ from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
-from .embed_batch import EmbeddingBatcher, EmbeddingJob
+from .choices import ChoiceGroups
+from .embeddings import DEFAULT_EMBEDDINGS_TENANT_TOKENS, EmbeddingsQueue
 from .liveness import RUNNING, STUCK_AFTER_S, LoopClock
 from .scheduler import Scheduler, SchedulerConfig
-from .state import (
-    Choice,
-    Continuation,
-    Event,
-    FinishedEvent,
-    Request,
-    RequestStats,
-    TickStats,
-    TokenEvent,
-)
+from .state import Continuation, Event, FinishedEvent, Request, TickStats, TokenEvent
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
-DEFAULT_EMBEDDINGS_TENANT_TOKENS = 2 * protocol.MAX_EMBEDDING_TOKENS
-# the embeddings context holds two whole inputs: a full-length one never keeps another
-# tenant's input from beginning (embed_batch.py)
-EMBEDDING_CONTEXT_CELLS = 2 * protocol.EMBEDDING_N_CTX
-EMBEDDINGS_TENANTS_TO_FILL = 4  # one tenant holds at most a quarter of the embeddings queue
 SLOW_TURN_S = 5.0  # a loop turn longer than this is logged with what its tick did
 SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
@@ -78,45 +63,6 @@ def _native_call(method: Callable[..., Any]) -> Callable[..., Any]:
         with self.clock.calling(kwargs.get("request_id")):
             return method(self, *args, **kwargs)
     return watched
-
-
-@dataclass(slots=True)
-class ChoiceGroup:
-    """The n choices of one request and how far they are."""
-
-    id: str
-    n: int
-    prompt_tokens: int
-    finished: dict[int, FinishedEvent] = field(default_factory=dict)
-    pending: set[int] = field(default_factory=set)  # choices whose end has not come
-    abandoned: bool = False  # handed back or refused: its choices' ends go nowhere
-
-    def __post_init__(self) -> None:
-        self.pending = set(range(self.n))
-
-    def merged(self) -> FinishedEvent:
-        """The request's end: the prompt counted once, the completions summed; an error of
-        any choice is the request's."""
-        ends = [self.finished[i] for i in range(self.n)]
-        failed = next((e for e in ends if e.error is not None), None)
-        stats = [e.stats for e in ends]
-        present = lambda values: [v for v in values if v is not None]  # noqa: E731
-        merged = RequestStats(
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=stats[0].cached_tokens,
-            completion_tokens=sum(s.completion_tokens for s in stats),
-            queue_ms=min(present(s.queue_ms for s in stats), default=None),
-            ttft_ms=min(present(s.ttft_ms for s in stats), default=None),
-            duration_ms=max(s.duration_ms for s in stats),
-            prompt_eval_rate=stats[0].prompt_eval_rate,
-            generation_rate=sum(present(s.generation_rate for s in stats)) or None,
-            prompt_evaluated=sum(s.prompt_tokens - s.cached_tokens for s in stats),
-        )
-        head = failed or ends[0]
-        return FinishedEvent(self.id, head.finish_reason, merged, stop=ends[0].stop,
-                             error=failed.error if failed else None,
-                             choices=tuple(Choice(i, e.finish_reason, e.stop)
-                                           for i, e in enumerate(ends)))
 
 
 @dataclass(slots=True)
@@ -180,13 +126,6 @@ class InferenceCore:
         quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it)."""
         self.engine = engine
         self.embeddings = embeddings
-        self._embedding_jobs = EmbeddingBatcher()  # guarded by _embedding_lock
-        self._embedding_lock = threading.RLock()
-        self.embeddings_tenant_tokens = embeddings_tenant_tokens
-        self.embeddings_tenant_jobs = (max(1, config.max_queue // EMBEDDINGS_TENANTS_TO_FILL)
-                                       if embeddings_tenant_jobs is None
-                                       else max(1, embeddings_tenant_jobs))
-        self._embed_tokens_per_s = 100.0  # measured decode by decode (Retry-After)
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
         self.max_prompt_bytes = max_prompt_bytes
         # called at the start of each loop turn, before its tick (the composition root's
@@ -198,9 +137,12 @@ class InferenceCore:
         self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
         self._handles: dict[str, RequestHandle] = {}  # guarded by the scheduler's lock
         # requests of several choices (n > 1): each choice is a request of the scheduler's
-        # ("<id>#<i>"), their events merged into the request's (the scheduler's lock)
-        self._groups: dict[str, ChoiceGroup] = {}
-        self._siblings: dict[str, tuple[ChoiceGroup, int]] = {}
+        # ("<id>#<i>"), their events merged into the request's (choices.py)
+        self._choices = ChoiceGroups(self.scheduler, self._handles)
+        # the embeddings jobs, decoded between two ticks on the loop thread (embeddings.py)
+        self._embedding_queue = EmbeddingsQueue(engine, config, self.scheduler.wake,
+                                                embeddings_tenant_tokens,
+                                                embeddings_tenant_jobs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # the loop's marks, read without its lock: the heartbeat, the supervisor's watchdog
@@ -210,6 +152,24 @@ class InferenceCore:
         self.longest_turn_s = 0.0  # since start: how near legitimate work comes to a hang
         self._last_tick_stats: TickStats | None = None
         self._last_scheduler_snapshot: dict[str, Any] = {}
+
+    @property
+    def embeddings_tenant_tokens(self) -> int:
+        """The embeddings tokens one tenant's jobs may hold here."""
+        return self._embedding_queue.tenant_tokens
+
+    @embeddings_tenant_tokens.setter
+    def embeddings_tenant_tokens(self, value: int) -> None:
+        self._embedding_queue.tenant_tokens = value
+
+    @property
+    def embeddings_tenant_jobs(self) -> int:
+        """The embeddings jobs one tenant may hold here."""
+        return self._embedding_queue.tenant_jobs
+
+    @embeddings_tenant_jobs.setter
+    def embeddings_tenant_jobs(self, value: int) -> None:
+        self._embedding_queue.tenant_jobs = value
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> InferenceCore:
@@ -284,15 +244,15 @@ class InferenceCore:
                 handed_back += self.scheduler.hand_back(waiting_only=True)
         if hand_back:
             handed_back += self.scheduler.hand_back()
-            handed_back = self._parents_handed_back(handed_back)
+            handed_back = self._choices.parents_handed_back(handed_back)
         else:
             self.scheduler.cancel_all()
         while self.scheduler.has_work() and self._thread and self._thread.is_alive():
             time.sleep(0.01)
-        while (self._embedding_jobs and self._thread and self._thread.is_alive()
+        while (self._embedding_queue and self._thread and self._thread.is_alive()
                and time.monotonic() < deadline):
             time.sleep(0.01)
-        handed_back += self._end_embeddings(hand_back)
+        handed_back += self._embedding_queue.end_all(hand_back)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -320,9 +280,9 @@ class InferenceCore:
                     hook()
                 generating = self.scheduler.has_work()
                 embedded = False
-                if self._embedding_jobs and (not generating or self._embed_owed_s <= 0):
+                if self._embedding_queue and (not generating or self._embed_owed_s <= 0):
                     t0 = time.monotonic()  # between ticks, on this thread
-                    embedded = self._embed_one_batch()
+                    embedded = self._embedding_queue.run_one()
                     self._embed_owed_s += time.monotonic() - t0
                 if generating:
                     t0 = time.monotonic()
@@ -382,15 +342,7 @@ class InferenceCore:
         followers copy the leader's cells) and its own sampler (seed + index). ``prompts``
         (instead of ``prompt``): a completion's several prompts, ``n`` choices each (choice
         ``p * n + j``), at most MAX_CHOICES choices in all."""
-        if type(n) is not int or not 1 <= n <= protocol.MAX_CHOICES:
-            raise InvalidParameter("n", f"must be an integer from 1 to {protocol.MAX_CHOICES}")
-        if prompts is not None:
-            if (not isinstance(prompts, list) or not prompts or prompt is not None
-                    or messages is not None or len(prompts) * n > protocol.MAX_CHOICES):
-                raise InvalidParameter("prompt", f"a list of prompts gives at most "
-                                       f"{protocol.MAX_CHOICES} choices (prompts x n)")
-        if (n > 1 or prompts is not None) and continuation is not None:
-            raise InvalidParameter("n", "a request of several choices cannot be continued")
+        _check_choices(n, prompt, messages, prompts, continuation)
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
             arrival -= min(max(0.0, time.time() - since), 24 * 3600.0)
@@ -403,40 +355,35 @@ class InferenceCore:
             raise InvalidParameter("session", "must be a string")
         choices = n * (len(prompts) if prompts is not None else 1)
         self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
+        request_id = request_id or uuid.uuid4().hex
+        params = params or SamplingParams()
+
+        def shared() -> dict[str, Any]:
+            """The fields every request of this job shares, once its prompt is tokenized."""
+            return dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
+                        arrival=arrival, max_queued=max_queued,
+                        # the scheduler's clock is monotonic; a wall-clock deadline crosses
+                        # daemons
+                        deadline=None if deadline is None else now + (deadline - time.time()))
+
         if prompts is not None:
-            self._check_size(sum(_utf8_len(p, "prompt") for p in prompts if isinstance(p, str)),
-                             "prompt")
-            each = [self._prompt_item(p, f"prompt[{i}]") for i, p in enumerate(prompts)]
-            return self._enqueue_choices(
-                [tokens for tokens in each for _ in range(n)], sum(len(t) for t in each),
-                request_id or uuid.uuid4().hex, handle, params or SamplingParams(),
-                dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
-                     arrival=arrival, max_queued=max_queued,
-                     deadline=None if deadline is None else now + (deadline - time.time())))
+            each = self._prompt_list_tokens(prompts)
+            return self._choices.enqueue([tokens for tokens in each for _ in range(n)],
+                                         sum(len(t) for t in each), request_id, handle, params,
+                                         shared())
         tokens = self.prompt_tokens(prompt, messages)
         if n > 1:
-            return self._enqueue_choices(
-                [tokens] * n, len(tokens), request_id or uuid.uuid4().hex, handle,
-                params or SamplingParams(),
-                dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
-                     arrival=arrival, max_queued=max_queued,
-                     deadline=None if deadline is None else now + (deadline - time.time())))
-        request = Request(
-            id=request_id or uuid.uuid4().hex,
-            prompt_tokens=tokens,
-            params=params or SamplingParams(),
-            cache_scope=cache_scope,
-            session=session,
-            cache_prompt=cache_prompt,
-            arrival=arrival,
-            max_queued=max_queued,
-            continuation=continuation,
-            # the scheduler's clock is monotonic; a wall-clock deadline crosses daemons
-            deadline=None if deadline is None else now + (deadline - time.time()),
-        )
+            return self._choices.enqueue([tokens] * n, len(tokens), request_id, handle, params,
+                                         shared())
+        self._submit_one(Request(id=request_id, prompt_tokens=tokens, params=params,
+                                 continuation=continuation, **shared()), handle)
+        return len(tokens)
+
+    def _submit_one(self, request: Request, handle: RequestHandle | None) -> None:
+        """Queue a request of one choice; its events go to ``handle`` too."""
         if handle is None:  # the daemon's path: the scheduler refuses a duplicate id itself
             self.scheduler.submit(request)
-            return len(tokens)
+            return
         # The handle goes in before the request is queued (events are emitted under the
         # scheduler's lock: none can outrun it), but the submit runs outside that lock: it
         # compiles the request's grammar, and every tick waits for the lock.
@@ -450,7 +397,6 @@ class InferenceCore:
             with self.scheduler.lock:
                 self._handles.pop(request.id, None)
             raise
-        return len(tokens)
 
     def prompt_tokens(self, prompt: str | list[int] | None, messages: Any) -> list[int]:
         """Token ids for a prompt string, a list of token ids, or chat messages."""
@@ -469,6 +415,13 @@ class InferenceCore:
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
 
+    def _prompt_list_tokens(self, prompts: list[Any]) -> list[list[int]]:
+        """A completion's several prompts as token ids, the list's text within the size
+        limit."""
+        self._check_size(sum(_utf8_len(p, "prompt") for p in prompts if isinstance(p, str)),
+                         "prompt")
+        return [self._prompt_item(p, f"prompt[{i}]") for i, p in enumerate(prompts)]
+
     def _prompt_item(self, item: Any, field: str) -> list[int]:
         """One prompt of a list of prompts: text or token ids, not empty."""
         if isinstance(item, str) and item:
@@ -478,81 +431,6 @@ class InferenceCore:
                 raise InvalidParameter(field, "token ids must be within the vocabulary")
             return list(item)
         raise InvalidParameter(field, "must be a non-empty string or list of token ids")
-
-    def _enqueue_choices(self, prompts: list[list[int]], prompt_tokens: int, request_id: str,
-                         handle: RequestHandle | None, params: SamplingParams,
-                         common: dict[str, Any]) -> int:
-        """Queue the choices of one request, one per prompt in ``prompts`` (see
-        ``enqueue``); ``prompt_tokens``: what the request's usage counts (each distinct
-        prompt once)."""
-        n = len(prompts)
-        group = ChoiceGroup(request_id, n, prompt_tokens)
-        with self.scheduler.lock:
-            if request_id in self._handles or request_id in self._groups or any(
-                    f"{request_id}#{i}" in self.scheduler.request_ids() for i in range(n)):
-                raise Refusal(errors.DUPLICATE_ID, f"request id {request_id} is already in use")
-            self._groups[request_id] = group
-            for i in range(n):
-                self._siblings[f"{request_id}#{i}"] = (group, i)
-            if handle is not None:
-                self._handles[request_id] = handle
-        submitted: list[str] = []
-        try:
-            for i in range(n):
-                seed = None if params.seed is None else (params.seed + i) % (2**32 - 1)
-                self.scheduler.submit(Request(id=f"{request_id}#{i}", prompt_tokens=prompts[i],
-                                              params=dataclasses.replace(params, seed=seed),
-                                              **common))
-                submitted.append(f"{request_id}#{i}")
-        except BaseException:
-            with self.scheduler.lock:
-                group.abandoned = True  # its choices' ends are not the request's
-                self._handles.pop(request_id, None)
-                for i in range(len(submitted), n):  # never queued: no end will come
-                    self._siblings.pop(f"{request_id}#{i}", None)
-                    group.pending.discard(i)
-                if not group.pending:
-                    self._groups.pop(request_id, None)
-            for sibling in submitted:
-                self.scheduler.cancel(sibling)  # their ends come later and go nowhere
-            raise
-        return prompt_tokens
-
-    def _parents_handed_back(self, ids: list[str]) -> list[str]:
-        """Handed-back ids as the daemon's requests: a choice hands its whole request back
-        (its other choices' ends are then not sent: the next daemon decides)."""
-        out: list[str] = []
-        with self.scheduler.lock:
-            for request_id in ids:
-                sibling = self._siblings.get(request_id)
-                if sibling is None:
-                    out.append(request_id)
-                    continue
-                group = sibling[0]
-                if not group.abandoned:
-                    group.abandoned = True
-                    out.append(group.id)
-        return out
-
-    def _merge_choice(self, event: Event) -> Event | None:
-        """A choice's event as its request's (None: nothing to send yet). The scheduler's
-        lock is held."""
-        group, index = self._siblings[event.request_id]
-        if isinstance(event, TokenEvent):
-            if group.abandoned:
-                return None
-            return TokenEvent(group.id, event.text, event.n_tokens, event.tokens,
-                              event.logprobs, index)
-        assert isinstance(event, FinishedEvent)
-        del self._siblings[event.request_id]
-        group.finished[index] = event
-        group.pending.discard(index)
-        if group.pending:
-            return None
-        self._groups.pop(group.id, None)
-        if group.abandoned:
-            return None
-        return group.merged()
 
     # -- embeddings -----------------------------------------------------------------
 
@@ -603,24 +481,7 @@ class InferenceCore:
         tokens not yet embedded plus ``n_tokens`` would pass EMBEDDINGS_TENANT_TOKENS. A
         tenant holding nothing is never refused for tokens (one job is at most
         MAX_EMBEDDING_TOKENS)."""
-        config = self.scheduler.config
-        with self._embedding_lock:
-            if len(self._embedding_jobs) >= config.max_queue:
-                raise Refusal(errors.QUEUE_FULL, "the embeddings queue is full",
-                              max_queue=config.max_queue)
-            jobs, tokens = self._embedding_jobs.held_by(scope)
-            per_scope = self.embeddings_tenant_jobs
-            over_jobs = jobs >= per_scope
-            over_tokens = jobs > 0 and tokens + max(n_tokens, 1) > self.embeddings_tenant_tokens
-            if over_jobs or over_tokens:
-                wait_s = tokens / max(self._embed_tokens_per_s, 1.0)
-                raise Refusal(errors.TENANT_QUEUE_FULL,
-                              f"this tenant already has {jobs} embeddings requests ({tokens} "
-                              f"tokens) in this daemon; at most {per_scope} requests and "
-                              f"{self.embeddings_tenant_tokens} tokens "
-                              "(EMBEDDINGS_TENANT_TOKENS) are held per tenant",
-                              max_queued=per_scope, max_tokens=self.embeddings_tenant_tokens,
-                              retry_after_s=int(min(60, max(1, math.ceil(wait_s)))))
+        self._embedding_queue.check_room(scope, n_tokens)
 
     def submit_embeddings(self, request_id: str, inputs: list[list[int]],
                           done: Callable[[list[Any] | None, BaseException | None], None],
@@ -632,103 +493,7 @@ class InferenceCore:
         take turns by decode, at most the embedder's ``n_batch`` tokens each
         (``embed_batch.py``), and generation and embeddings take turns by time;
         ``deadline``: unix seconds. Refused as ``check_embeddings_room`` says."""
-        job = EmbeddingJob(request_id, inputs, done, scope=scope,
-                           deadline=None if deadline is None
-                           else time.monotonic() + (deadline - time.time()))
-        with self._embedding_lock:
-            self.check_embeddings_room(scope, job.n_tokens)
-            self._embedding_jobs.add(job)
-        self.scheduler.wake()
-
-    def _cancel_embeddings(self, request_id: str) -> bool:
-        with self._embedding_lock:
-            job = self._embedding_jobs.find(request_id)
-            if job is None:
-                return False
-            job.cancelled = True
-        self.scheduler.wake()
-        return True
-
-    def _embed_one_batch(self) -> bool:
-        """One decode of the embeddings jobs (on the loop thread), or a job's end; False if
-        there was nothing to do. The batcher chooses the job (tenants' turns) and the
-        pieces (within the cells the context holds: ``embed_batch.py``)."""
-        with self._embedding_lock:
-            job = next((j for j in self._embedding_jobs.jobs() if j.cancelled or (
-                j.deadline is not None and time.monotonic() > j.deadline)), None)
-        if job is not None:
-            refusal = (Refusal(errors.CANCELLED, "The request was cancelled.") if job.cancelled
-                       else Refusal(errors.TIMEOUT, "The request ran past its time limit."))
-            self._end_embedding(job, None, refusal)
-            return True
-        embedder = None
-        decode = None
-        try:
-            embedder = self.engine.embedder(n_ctx=EMBEDDING_CONTEXT_CELLS)
-            with self._embedding_lock:
-                decode = self._embedding_jobs.plan(embedder.n_ctx, embedder.n_batch,
-                                                   embedder.n_seq_max)
-            if decode is None:
-                return False
-            t0 = time.monotonic()
-            sums = embedder.decode(decode.pieces)
-            with self._embedding_lock:
-                finished = self._embedding_jobs.commit(decode, sums)
-            rate = decode.n_tokens / max(time.monotonic() - t0, 1e-6)
-            self._embed_tokens_per_s += 0.2 * (rate - self._embed_tokens_per_s)
-            for seq in finished:
-                embedder.forget(seq)
-        except Exception as exc:  # this job alone fails
-            if decode is None:  # the context could not be made: the oldest job's
-                jobs = self._embedding_jobs.jobs()
-                if not jobs:
-                    raise
-                job, where = jobs[0], "input"
-            else:
-                job, where = decode.job, f"input[{decode.inputs[0]}]"
-            log.exception("embeddings of request %s failed", job.request_id)
-            self._end_embedding(job, None, Refusal(
-                errors.ENGINE_ERROR, f"llama.cpp failed to embed {where} of this request "
-                f"({type(exc).__name__}: {exc})", param=where))
-            return True
-        if decode.job.finished:
-            self._end_embedding(decode.job, [decode.job.vectors[i]
-                                             for i in range(len(decode.job.inputs))], None)
-        return True
-
-    def _end_embedding(self, job: EmbeddingJob, vectors: list[Any] | None,
-                       error: Refusal | None) -> None:
-        """End ``job`` once: out of the batcher (its open sequences' cells removed), then
-        ``done``; an error after work carries the tokens embedded as its ``usage``."""
-        with self._embedding_lock:
-            seqs = self._embedding_jobs.remove(job)
-        if seqs:  # begun inputs: the embedder exists
-            embedder = self.engine.embedder(n_ctx=EMBEDDING_CONTEXT_CELLS)
-            for seq in seqs:
-                embedder.forget(seq)
-        if error is not None and job.embedded_tokens:
-            error.details["usage"] = protocol.usage(job.embedded_tokens, 0, 0)
-            error.details["embedded_tokens"] = job.embedded_tokens
-        try:
-            job.done(vectors, error)
-        except Exception:  # the callback writes the end: it must not fail the loop
-            log.exception("ending the embeddings of request %s failed", job.request_id)
-
-    def _end_embeddings(self, hand_back: bool) -> list[str]:
-        """At stop, past the grace: the jobs left are handed back (their ids; nothing was
-        sent but ``accepted``; only jobs with no work done), or end with ``shutting_down``
-        (billed for any work done)."""
-        with self._embedding_lock:
-            left = self._embedding_jobs.jobs()
-        handed = [job for job in left if hand_back and not job.embedded_tokens]
-        with self._embedding_lock:
-            for job in handed:
-                self._embedding_jobs.remove(job)
-        for job in left:
-            if job not in handed:
-                self._end_embedding(job, None, Refusal(
-                    errors.SHUTTING_DOWN, "The daemon stopped before it finished."))
-        return [job.request_id for job in handed]
+        self._embedding_queue.submit(request_id, inputs, done, deadline, scope)
 
     @_native_call
     def prompt_text(self, prompt: str | list[int] | None) -> str:
@@ -827,13 +592,11 @@ class InferenceCore:
         waits for the scheduler's lock (the cancel and watch threads call this while the
         loop may be stuck holding it): a cancel that finds it taken applies at the next
         plan, and counts as known."""
-        group = self._groups.get(request_id)
-        if group is not None:
-            results = [self.scheduler.cancel(f"{request_id}#{i}", block=False)
-                       for i in range(group.n)]
-            return any(r is not False for r in results)
+        choices = self._choices.cancel(request_id)
+        if choices is not None:
+            return choices
         known = self.scheduler.cancel(request_id, block=False)
-        return self._cancel_embeddings(request_id) or known is not False
+        return self._embedding_queue.cancel(request_id) or known is not False
 
     def snapshot(self) -> dict[str, Any]:
         """The scheduler's state and the loop's liveness, without waiting on a stuck loop:
@@ -885,8 +648,8 @@ class InferenceCore:
 
     def _dispatch(self, event: Event) -> None:
         """Scheduler callback (its lock held): the request's handle, then every listener."""
-        if event.request_id in self._siblings:
-            merged = self._merge_choice(event)
+        if self._choices.is_choice(event.request_id):
+            merged = self._choices.merge(event)
             if merged is None:
                 return
             event = merged
@@ -897,6 +660,22 @@ class InferenceCore:
             handle._events.put(event)
         for listener in self.listeners:
             listener(event)
+
+
+def _check_choices(n: Any, prompt: Any, messages: Any, prompts: Any,
+                   continuation: Continuation | None) -> None:
+    """``enqueue``'s choices: ``n`` within MAX_CHOICES, a list of prompts instead of
+    ``prompt`` and ``messages`` and within MAX_CHOICES with ``n``, and no continuation of a
+    request of several choices."""
+    if type(n) is not int or not 1 <= n <= protocol.MAX_CHOICES:
+        raise InvalidParameter("n", f"must be an integer from 1 to {protocol.MAX_CHOICES}")
+    if prompts is not None:
+        if (not isinstance(prompts, list) or not prompts or prompt is not None
+                or messages is not None or len(prompts) * n > protocol.MAX_CHOICES):
+            raise InvalidParameter("prompt", f"a list of prompts gives at most "
+                                   f"{protocol.MAX_CHOICES} choices (prompts x n)")
+    if (n > 1 or prompts is not None) and continuation is not None:
+        raise InvalidParameter("n", "a request of several choices cannot be continued")
 
 
 def _piece(raw: bytes) -> str | list[int]:

@@ -14,7 +14,8 @@ from scheduler_daemon.core.engine_api import normalized
 from scheduler_daemon.core.inference import DEFAULT_EMBEDDINGS_TENANT_TOKENS, InferenceCore
 from scheduler_daemon.core.scheduler import SchedulerConfig
 from scheduler_daemon.core.state import FinishedEvent
-from scheduler_daemon.llama.engine import Embedder, EngineError
+from scheduler_daemon.llama.embedder import Embedder
+from scheduler_daemon.llama.errors import EngineError
 from wire import errors, protocol
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
@@ -177,7 +178,7 @@ def test_a_cancel_after_work_is_billed_for_the_tokens_embedded(core, gemma_engin
     ends = Ends()
     core.submit_embeddings("half", inputs, ends)
     deadline = time.monotonic() + 300
-    while core._embedding_jobs.find("half").embedded_tokens < 256:  # two decodes done
+    while core._embedding_queue.batcher.find("half").embedded_tokens < 256:  # two decodes done
         assert time.monotonic() < deadline
         time.sleep(0.01)
     core.cancel("half")
