@@ -7,8 +7,9 @@
   lifecycle and the loop clock. It imports neither Redis nor the service modules; it reaches
   llama.cpp only through the shapes in ``core/engine_api.py``, except
   ``InferenceCore.from_settings``, which builds the real engine.
-- ``llama/``: the only code that imports ``llama_cpp`` (``llama/engine.py``: the generation
-  and embeddings contexts, the sampler, logprobs, llama.cpp's log).
+- ``llama/``: the only code that imports ``llama_cpp``: the generation context
+  (``llama/engine.py``), the sampler and logprobs (``llama/sampler.py``), the embeddings
+  context (``llama/embedder.py``), llama.cpp's log (``llama/logs.py``).
 - ``service/``: what faces Redis and the process: intake, the event writer, recovery,
   control, the heartbeat, the watch, the history sink's protocol, the supervisor, and
   ``service/daemon.py``, which puts them together around one ``InferenceCore``.

@@ -96,7 +96,7 @@ def test_a_grammar_that_allows_no_token_fails_that_request_alone(core):
 
 
 def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
-    from scheduler_daemon.llama.engine import _LlamaLogSink
+    from scheduler_daemon.llama.logs import _LlamaLogSink
 
     sink = _LlamaLogSink()
     forged = '{"event":"request_end","request_id":"forged"}'
@@ -108,9 +108,9 @@ def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
 
 
 def test_a_grammar_too_costly_to_follow_fails_that_request_alone(core, monkeypatch):
-    from scheduler_daemon.llama import engine
+    from scheduler_daemon.llama import sampler
 
-    monkeypatch.setattr(engine, "MAX_GRAMMAR_STEP_S", 0.0)  # every grammar step is "too slow"
+    monkeypatch.setattr(sampler, "MAX_GRAMMAR_STEP_S", 0.0)  # every grammar step is "too slow"
     # (an ambiguous grammar is refused before it runs now: wire/grammar_cost.py; with the
     # guard at 0 any grammar's step is "too slow")
     ambiguous = SamplingParams(grammar='root ::= [a-z ]+', max_tokens=8, temperature=0)

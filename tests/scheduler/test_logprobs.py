@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scheduler_daemon.core.state import TokenEvent
-from scheduler_daemon.llama.engine import logprobs_of
+from scheduler_daemon.llama.sampler import logprobs_of
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
 

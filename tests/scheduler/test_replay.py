@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from scheduler_daemon.llama.engine import SamplingFailed
+from scheduler_daemon.llama.sampler import SamplingFailed
 from wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
