@@ -1,7 +1,8 @@
 """The embeddings jobs of one daemon and the embeddings context they share: pure policy.
 
-``InferenceCore`` owns one ``EmbeddingBatcher`` and decodes what it plans on the loop
-thread, between two generation ticks (docs/scheduler.md, "Embeddings"). The rules:
+``InferenceCore`` owns one ``EmbeddingBatcher`` (in its ``core.embeddings.EmbeddingsQueue``)
+and decodes what it plans on the loop thread, between two generation ticks
+(docs/scheduler.md, "Embeddings"). The rules:
 
 - **Tenants take turns, one decode each.** Jobs wait in one FIFO per tenant (its
   ``scope``); each decode serves the head job of the tenant whose turn it is, so one

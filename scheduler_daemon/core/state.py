@@ -48,7 +48,7 @@ class SlotState(StrEnum):
 
 
 class Sampler(Protocol):
-    """A request's own token picker (``engine.LlamaSampler`` or a test fake)."""
+    """A request's own token picker (``llama.sampler.LlamaSampler`` or a test fake)."""
 
     seed: int
 
