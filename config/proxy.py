@@ -325,11 +325,11 @@ http {{
     # other spaces or a case of "Bearer" of its own is still one key
     map $http_authorization $authorization_token {{
         "~*^\\s*bearer\\s+(?<token>[!-~]{{1,128}})" $token;
-        default $http_authorization;
+        default "";
     }}
     map $http_x_api_key $api_key_token {{
         "~^\\s*(?<token>[!-~]{{1,128}})" $token;
-        default $http_x_api_key;
+        default "";
     }}
     map $http_authorization $rate_key {{
         "" $api_key_token;

@@ -65,7 +65,7 @@ class Replay:
     model: str
     created: int
     first: StreamEvent
-    rest: AsyncIterator[StreamEvent | None]
+    rest: service.ReaderEvents
 
     def events(self) -> ReplayEvents:
         """Every event from the first, as ``service.events`` gives a fresh submission's."""
@@ -84,7 +84,7 @@ class ReplayEvents:
     (``aclose``) closes the rest, started or not, so a reader cancelled before its first
     read gives its place back at once (``service.ReaderEvents``)."""
 
-    def __init__(self, first: StreamEvent, rest: AsyncIterator[StreamEvent | None]) -> None:
+    def __init__(self, first: StreamEvent, rest: service.ReaderEvents) -> None:
         self._first: StreamEvent | None = first
         self._rest = rest
         self._ended = first.is_terminal
@@ -99,17 +99,11 @@ class ReplayEvents:
         if self._ended:
             await self.aclose()
             raise StopAsyncIteration
-        try:
-            return await anext(self._rest)
-        except BaseException:
-            await self.aclose()
-            raise
+        return await anext(self._rest)  # which closes itself when it ends or fails
 
     async def aclose(self) -> None:
         self._ended = True
-        close = getattr(self._rest, "aclose", None)
-        if close is not None:
-            await close()
+        await self._rest.aclose()
 
 
 def key_digest(headers: Mapping[str, str]) -> str | None:

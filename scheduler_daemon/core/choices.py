@@ -122,10 +122,6 @@ class ChoiceGroups:
                     out.append(group.id)
         return out
 
-    def is_choice(self, request_id: str) -> bool:
-        """Whether ``request_id`` is a choice of a group in flight (the scheduler's lock)."""
-        return request_id in self.siblings
-
     def merge(self, event: Event) -> Event | None:
         """A choice's event as its request's (None: nothing to send yet). The scheduler's
         lock is held."""

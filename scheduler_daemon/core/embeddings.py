@@ -49,8 +49,10 @@ class EmbeddingsQueue:
                             if tenant_jobs is None else max(1, tenant_jobs))
         self.tokens_per_s = 100.0  # measured decode by decode (Retry-After)
 
-    def __len__(self) -> int:
-        return len(self.batcher)
+    def __bool__(self) -> bool:
+        """Whether any embeddings job waits or runs (the batcher's own, constant-time test:
+        the loop asks at every turn, without the lock)."""
+        return bool(self.batcher)
 
     def check_room(self, scope: str, n_tokens: int = 0) -> None:
         """``InferenceCore.check_embeddings_room``."""

@@ -648,7 +648,7 @@ class InferenceCore:
 
     def _dispatch(self, event: Event) -> None:
         """Scheduler callback (its lock held): the request's handle, then every listener."""
-        if self._choices.is_choice(event.request_id):
+        if event.request_id in self._choices.siblings:  # a choice of a group in flight
             merged = self._choices.merge(event)
             if merged is None:
                 return

@@ -12,7 +12,7 @@ instead of crashing a thread:
   number);
 - the sampling fields go through ``SamplingParams.from_dict`` except the grammar and the
   JSON schema, whose bounds are checked once, where they are compiled
-  (``engine.LlamaEngine.grammar_for``); here they only have to be a string (a schema: or
+  (``llama.engine.LlamaEngine.grammar_for``); here they only have to be a string (a schema: or
   an object);
 - messages and prompts are checked where they are measured and tokenized (``core``).
 """

@@ -40,7 +40,7 @@ INSTABILITY_RANGE = (0.1, 0.5)
 
 
 class CacheEngine(Protocol):
-    """What the prefix cache needs from an engine (``engine.LlamaEngine`` or a test fake)."""
+    """What the prefix cache needs from an engine (``llama.engine.LlamaEngine`` or a test fake)."""
 
     kv_bytes_per_token: int
     n_swa: int  # sliding-window size, 0 if none

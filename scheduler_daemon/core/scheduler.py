@@ -1,6 +1,6 @@
 """Continuous-batching policy over an engine: admission, slots, each tick's batch, finishing.
 
-Pure Python: it drives any object with the engine's methods (``engine.LlamaEngine`` in
+Pure Python: it drives any object with the engine's methods (``llama.engine.LlamaEngine`` in
 production, a fake in the policy tests). One thread calls ``step()`` in a loop; other
 threads may call ``submit``, ``cancel`` and ``snapshot`` at any time. A step is plan, then
 act, then commit: ``schedule()`` applies cancels, admits and returns the tick's

@@ -28,13 +28,7 @@ from wire.grammar_check import check_grammar
 from wire.sampling import SamplingParams
 from wire.schema_check import check_json_schema
 
-from ..core.engine_api import (
-    DECODE_ABORTED,
-    DECODE_KV_FULL,
-    DECODE_OK,
-    BatchRow,
-    GrammarEnded,
-)
+from ..core.engine_api import DECODE_OK, BatchRow
 from .batch import _Batch
 from .embedder import Embedder
 from .errors import EngineError
@@ -431,13 +425,4 @@ class LlamaEngine:
         return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
 
 
-__all__ = [
-    "BatchRow",
-    "DECODE_ABORTED",
-    "DECODE_KV_FULL",
-    "DECODE_OK",
-    "EngineConfig",
-    "EngineError",
-    "GrammarEnded",
-    "LlamaEngine",
-]
+__all__ = ["EngineConfig", "EngineError", "LlamaEngine"]
