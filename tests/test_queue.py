@@ -20,6 +20,7 @@ import pytest
 
 from inference import limits
 from inference.errors import ApiError
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.recovery import Recovery
 from tests.live_service import redis_conn
 from wire import affinity, protocol, queue
@@ -189,7 +190,7 @@ def test_recovery_never_takes_the_waiting_jobs_for_a_dead_daemons(model):
     for i in range(3):
         queue.enqueue(r, job(model, "A", f"w{i}"))
     requeued = []
-    recovery = Recovery(r, protocol.jobs_stream(model), "d-live", writer=None,
+    recovery = Recovery(DaemonContext(r, model, "d-live"), writer=None,
                         requeue=lambda *args: requeued.append(args), refuse=None)
     assert recovery.reclaim_dead(dead_idle_ms=0) == 0 and not requeued
     assert r.zcard(queue.ready_key(model)) == 3

@@ -13,8 +13,8 @@ import uuid
 import pytest
 
 from inference import broker, stream_reader
-from scheduler_daemon.core.lifecycle import Lifecycle
 from scheduler_daemon.core.state import TokenEvent
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.event_writer import EventWriter
 from tests.live_service import redis_conn
 from wire import protocol
@@ -179,7 +179,7 @@ async def test_the_daemons_pipelined_flush_keeps_each_streams_order(r):
     client, made = r
     ids = [uuid.uuid4().hex for _ in range(10)]
     made += [protocol.events_stream(i) for i in ids]
-    writer = EventWriter(client, "m", "d", Lifecycle(), stream_interval_s=10.0)
+    writer = EventWriter(DaemonContext(client, "m", "d"), stream_interval_s=10.0)
     for i in ids:
         writer.track(i, "tenant")
     followers = [asyncio.ensure_future(follow_to_end(i)) for i in ids]

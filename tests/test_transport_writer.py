@@ -7,8 +7,8 @@ import uuid
 import pytest
 import redis
 
-from scheduler_daemon.core.lifecycle import Lifecycle
 from scheduler_daemon.core.state import FinishedEvent, RequestStats, TokenEvent
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.event_writer import EventWriter, next_slot
 from tests.live_service import redis_conn
 from wire import protocol
@@ -33,7 +33,7 @@ class FlakyRedis:
 
 
 def writer_on(client) -> EventWriter:
-    return EventWriter(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", Lifecycle())
+    return EventWriter(DaemonContext(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon"))
 
 
 def finished(request_id: str) -> FinishedEvent:
@@ -104,7 +104,7 @@ def test_a_history_sink_that_raises_never_loses_a_requests_events():
     """The sink runs inside the flush, after the buffer was taken: an exception there used
     to drop every event of that flush (the request never ended; its slot leaked)."""
     real = redis_conn()
-    writer = EventWriter(real, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", Lifecycle(),
+    writer = EventWriter(DaemonContext(real, f"m-{uuid.uuid4().hex[:6]}", "test-daemon"),
                          history=BrokenHistory())
     request_id = uuid.uuid4().hex
     stream = protocol.events_stream(request_id)
@@ -141,7 +141,7 @@ def test_flush_slots_keep_to_the_interval_s_grid():
 
 
 def test_the_writer_flushes_streamed_tokens_on_the_grid():
-    writer = EventWriter(redis_conn(), "m", "d", Lifecycle(), stream_interval_s=1.0)
+    writer = EventWriter(DaemonContext(redis_conn(), "m", "d"), stream_interval_s=1.0)
     request_id = uuid.uuid4().hex
     writer.on_event(TokenEvent(request_id, "a", 1, (1,)))  # the first text: at once
     assert writer._flush_wait_s() == 0.0

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from inference import service, watch
-from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.watch import CONFIRM_S, Watch
 from tests.live_service import redis_conn
 from wire import protocol
@@ -133,7 +133,7 @@ class Daemon:
         self.cancelled.append(request_id)
 
     def watch(self, client: redis.Redis) -> Watch:
-        return Watch(client, Lifecycle(), self.cancel, self.live.__contains__)
+        return Watch(DaemonContext(client, "m", "d"), self.cancel, self.live.__contains__)
 
 
 def job(request_id: str, watched: bool = True) -> protocol.Job:

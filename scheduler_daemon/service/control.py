@@ -22,7 +22,8 @@ from wire import protocol
 from wire.backoff import Backoff
 
 from ..core.inference import InferenceCore
-from ..core.lifecycle import Lifecycle, State
+from ..core.lifecycle import State
+from .context import DaemonContext
 from .recovery import as_text
 
 log = logging.getLogger(__name__)
@@ -35,17 +36,15 @@ class Control:
 
     def __init__(
         self,
+        ctx: DaemonContext,
         core: InferenceCore,
-        client: redis.Redis,
-        daemon_id: str,
-        lifecycle: Lifecycle,
         on_change: Callable[[], None],
     ) -> None:
         """``on_change``: called after a command took effect (a heartbeat: the admin sees it)."""
         self.core = core
-        self.redis = client
-        self.daemon_id = daemon_id
-        self.lifecycle = lifecycle
+        self.redis = ctx.redis
+        self.daemon_id = ctx.daemon_id
+        self.lifecycle = ctx.lifecycle
         self.on_change = on_change
         self.on_evict_scope: Callable[[str], None] | None = None  # told the scope evicted
 

@@ -29,7 +29,8 @@ import redis
 from wire import protocol, queue
 
 from ..core.inference import InferenceCore
-from ..core.lifecycle import Lifecycle, State
+from ..core.lifecycle import State
+from .context import DaemonContext
 from .control import Control
 from .event_writer import EventWriter
 from .heartbeat import Heartbeat
@@ -69,21 +70,19 @@ class SchedulerDaemon:
         self.redis = client
         self.model = model
         self.daemon_id = daemon_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.lifecycle = Lifecycle()
-        self.writer = EventWriter(
-            client, model, self.daemon_id, self.lifecycle, history, stream_interval_s
-        )
+        self.ctx = ctx = DaemonContext(client, model, self.daemon_id)
+        self.lifecycle = ctx.lifecycle
+        self.writer = EventWriter(ctx, history, stream_interval_s)
         self.intake = Intake(
-            core, client, model, self.daemon_id, self.lifecycle, self.writer,
-            **({} if capacity is None else {"capacity": capacity}),
+            ctx, core, self.writer, **({} if capacity is None else {"capacity": capacity})
         )
         self.heartbeat = Heartbeat(
-            core, client, model, self.daemon_id, self.lifecycle, self.intake.rejected,
-            config_info, fleet=self.fleet_entry, intake=self.intake, run_info=run_info,
+            ctx, core, self.intake.rejected, config_info,
+            fleet=self.fleet_entry, intake=self.intake, run_info=run_info,
         )
-        self.control = Control(core, client, self.daemon_id, self.lifecycle, self.heartbeat.beat)
+        self.control = Control(ctx, core, self.heartbeat.beat)
         self.control.on_evict_scope = self.intake.forget_tenant
-        self.watch = Watch(client, self.lifecycle, core.cancel, self.writer.is_live)
+        self.watch = Watch(ctx, core.cancel, self.writer.is_live)
         self.intake.started.append(self.watch.started)
         config = core.scheduler.config
         self.queue_allowance = queue_allowance or (

@@ -25,11 +25,11 @@ from typing import Any
 
 import redis
 
-from wire import limits, protocol, queue
+from wire import limits, protocol
 from wire.backoff import Backoff
 
-from ..core.lifecycle import Lifecycle
 from ..core.state import Event, FinishedEvent, TokenEvent
+from .context import DaemonContext
 from .history import HistorySink, NoHistory
 
 log = logging.getLogger(__name__)
@@ -61,24 +61,21 @@ class EventWriter:
 
     def __init__(
         self,
-        client: redis.Redis,
-        model: str,
-        daemon_id: str,
-        lifecycle: Lifecycle,
+        ctx: DaemonContext,
         history: HistorySink | None = None,
         stream_interval_s: float = 0.0,
     ) -> None:
         """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
         most this often, several to one event. 0: every tick's tokens at the end of the tick."""
-        self.redis = client
-        self.model = model
-        self.daemon_id = daemon_id
-        self.lifecycle = lifecycle
+        self.redis = ctx.redis
+        self.model = ctx.model
+        self.daemon_id = ctx.daemon_id
+        self.lifecycle = ctx.lifecycle
         self.history: HistorySink = history or NoHistory()
         self.stream_interval_s = stream_interval_s
-        self.jobs_stream = protocol.jobs_stream(model)
-        self.load_key = queue.load_key(model)
-        self.running_key = protocol.running_key(daemon_id)
+        self.jobs_stream = ctx.jobs_stream
+        self.load_key = ctx.load_key
+        self.running_key = ctx.running_key
         self._buffer = _Buffer()
         self._cond = threading.Condition()
         self._next_due = 0.0  # the next slot of the stream interval's grid (monotonic)

@@ -25,7 +25,8 @@ from wire.protocol import as_text
 
 from ..core.affinity import SUMMARY_TTL_S
 from ..core.inference import InferenceCore
-from ..core.lifecycle import Lifecycle, State
+from ..core.lifecycle import State
+from .context import DaemonContext
 from .intake import Intake
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,8 @@ class Heartbeat:
 
     def __init__(
         self,
+        ctx: DaemonContext,
         core: InferenceCore,
-        client: redis.Redis,
-        model: str,
-        daemon_id: str,
-        lifecycle: Lifecycle,
         rejected: Counter[str],
         config_info: dict[str, Any] | None = None,
         fleet: Callable[[], queue.FleetEntry] | None = None,
@@ -54,19 +52,19 @@ class Heartbeat:
         ``fleet``: this daemon's entry in the model's fleet hash, built at each beat;
         ``intake``: whose affinity summary it keeps alive and whose counts it shows."""
         self.core = core
-        self.redis = client
-        self.model = model
-        self.daemon_id = daemon_id
-        self.lifecycle = lifecycle
+        self.redis = ctx.redis
+        self.model = ctx.model
+        self.daemon_id = ctx.daemon_id
+        self.lifecycle = ctx.lifecycle
         self.rejected = rejected
         self.config_info = config_info or {}
         self.run_info = run_info or {}
         self.started_at = time.time()
-        self.running_key = protocol.running_key(daemon_id)
+        self.running_key = ctx.running_key
         self.fleet = fleet
         self.intake = intake
-        self.fleet_key = queue.fleet_key(model)
-        self.load_key = queue.load_key(model)
+        self.fleet_key = queue.fleet_key(ctx.model)
+        self.load_key = ctx.load_key
         self._beats = 0
         self._hang_recorded: str | None = None  # the request this run's hang record names
 

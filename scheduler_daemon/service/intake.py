@@ -46,7 +46,8 @@ from ..core.affinity import SESSION_TTL_S, SUMMARY_TTL_S, AffinitySummary
 from ..core.fair_queue import FairQueue
 from ..core.inference import InferenceCore
 from ..core.job_input import submit_arguments
-from ..core.lifecycle import Lifecycle, State
+from ..core.lifecycle import State
+from .context import DaemonContext
 from .event_writer import EventWriter
 from .recovery import FRESH, Recovery, Takeover, as_text, quarantined_refusal
 
@@ -124,32 +125,27 @@ class Intake:
 
     def __init__(
         self,
+        ctx: DaemonContext,
         core: InferenceCore,
-        client: redis.Redis,
-        model: str,
-        daemon_id: str,
-        lifecycle: Lifecycle,
         writer: EventWriter,
         capacity: int = PREPARE_QUEUE_MAX,
     ) -> None:
         """``capacity``: the jobs this daemon holds at most (read and not ended)."""
         self.core = core
-        self.redis = client
-        self.model = model
+        self.redis = client = ctx.redis
+        self.model = ctx.model
         self.capacity = max(1, int(capacity))
-        self.daemon_id = daemon_id
-        self.lifecycle = lifecycle
+        self.daemon_id = daemon_id = ctx.daemon_id
+        self.lifecycle = ctx.lifecycle
         self.writer = writer
-        self.jobs_stream = protocol.jobs_stream(model)
-        self.running_key = protocol.running_key(daemon_id)
+        self.jobs_stream = ctx.jobs_stream
+        self.running_key = ctx.running_key
         self.prepare = PrepareQueue()
         self.rejected: Counter[str] = Counter()  # jobs answered with an error before starting
         self.started: list[Callable[[protocol.Job], None]] = []  # told of each accepted job
         # told of each generation job just before the core queues it
         self.starting: list[Callable[[protocol.Job], None]] = []
-        self.recovery = Recovery(
-            client, self.jobs_stream, daemon_id, writer, self.prepare.put, self.refuse
-        )
+        self.recovery = Recovery(ctx, writer, self.prepare.put, self.refuse)
         self._last_reclaim = time.monotonic()
         self._take_owner = client.register_script(ownership.TAKE)
         self._outage = Backoff("reading jobs", log)  # the reader thread's

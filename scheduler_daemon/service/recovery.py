@@ -43,6 +43,7 @@ from wire import ownership, protocol, queue
 from wire.errors import Refusal
 
 from ..core.state import Continuation
+from .context import DaemonContext
 from .event_writer import EventWriter
 
 log = logging.getLogger(__name__)
@@ -76,18 +77,16 @@ class Recovery:
 
     def __init__(
         self,
-        client: redis.Redis,
-        jobs_stream: str,
-        daemon_id: str,
+        ctx: DaemonContext,
         writer: EventWriter,
         requeue: Callable[[str, protocol.Job, Takeover], None],
         refuse: Callable[[str, str, Refusal], None],
     ) -> None:
         """``requeue``: serve a job again here (the prepare queue); ``refuse``: end a job with
         a refusal (counted as rejected)."""
-        self.redis = client
-        self.jobs_stream = jobs_stream
-        self.daemon_id = daemon_id
+        self.redis = client = ctx.redis
+        self.jobs_stream = ctx.jobs_stream
+        self.daemon_id = ctx.daemon_id
         self.writer = writer
         self.requeue = requeue
         self.refuse = refuse

@@ -26,7 +26,8 @@ import redis
 
 from wire import protocol
 
-from ..core.lifecycle import Lifecycle, State
+from ..core.lifecycle import State
+from .context import DaemonContext
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,14 @@ class Watch:
 
     def __init__(
         self,
-        client: redis.Redis,
-        lifecycle: Lifecycle,
+        ctx: DaemonContext,
         cancel: Callable[[str], Any],
         is_live: Callable[[str], bool],
     ) -> None:
         """``cancel``: ends a request (``core.cancel``); ``is_live``: whether a request has
         not ended here yet (``EventWriter.is_live``): ended ones are forgotten."""
-        self.redis = client
-        self.lifecycle = lifecycle
+        self.redis = ctx.redis
+        self.lifecycle = ctx.lifecycle
         self.cancel = cancel
         self.is_live = is_live
         self._missing_since: dict[str, float | None] = {}  # id -> first check without its key

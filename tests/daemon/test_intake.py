@@ -12,6 +12,7 @@ import redis
 from scheduler_daemon.core.chat import message_pairs
 from scheduler_daemon.core.job_input import sampling_params, submit_arguments
 from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.control import Control
 from scheduler_daemon.service.event_writer import EventWriter
 from scheduler_daemon.service.intake import Intake, job_fingerprint
@@ -117,8 +118,8 @@ class BrokenCore:
 def intake():
     client = redis_conn()
     lifecycle = Lifecycle()
-    writer = EventWriter(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", lifecycle)
-    intake = Intake(BrokenCore(), client, writer.model, "test-daemon", lifecycle, writer)
+    ctx = DaemonContext(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", lifecycle)
+    intake = Intake(ctx, BrokenCore(), EventWriter(ctx))
     intake.ensure_group()
     yield intake
     client.delete(intake.jobs_stream, intake.running_key)
@@ -203,11 +204,11 @@ def test_the_lifecycle_moves_only_along_its_arrows():
 def test_a_drain_command_pauses_the_intake_and_resume_reopens_it():
     client = redis_conn()
     lifecycle = Lifecycle()
-    writer = EventWriter(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", lifecycle)
-    intake = Intake(BrokenCore(), client, writer.model, "test-daemon", lifecycle, writer)
+    ctx = DaemonContext(client, f"m-{uuid.uuid4().hex[:6]}", "test-daemon", lifecycle)
+    intake = Intake(ctx, BrokenCore(), EventWriter(ctx))
     intake.ensure_group()
     beats = []
-    control = Control(BrokenCore(), client, "test-daemon", lifecycle, lambda: beats.append(1))
+    control = Control(ctx, BrokenCore(), lambda: beats.append(1))
     lifecycle.move(State.SERVING)
     reader = threading.Thread(target=intake.read_loop)
     reader.start()

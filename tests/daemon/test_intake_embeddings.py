@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 
 from scheduler_daemon.core.lifecycle import Lifecycle
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.event_writer import EventWriter
 from scheduler_daemon.service.intake import Intake
 from tests.live_service import redis_conn
@@ -27,8 +28,9 @@ def job(kind: str, tenant: str = "a") -> protocol.Job:
 def test_embeddings_jobs_leave_generation_s_room_to_other_tenants():
     client = redis_conn()
     lifecycle = Lifecycle()
-    writer = EventWriter(client, "m", "d", lifecycle)
-    intake = Intake(Core(), client, "m", "d", lifecycle, writer, capacity=4)
+    ctx = DaemonContext(client, "m", "d", lifecycle)
+    writer = EventWriter(ctx)
+    intake = Intake(ctx, Core(), writer, capacity=4)
     burst = [job("embedding") for _ in range(10)]
     for j in burst[:6]:  # started: live in the writer, held by the core
         writer.track(j.id, j.tenant_id)

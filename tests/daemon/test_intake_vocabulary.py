@@ -11,6 +11,7 @@ import threading
 import uuid
 
 from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.event_writer import EventWriter
 from scheduler_daemon.service.intake import Intake
 from tests.live_service import redis_conn, wait_until
@@ -43,9 +44,10 @@ def setup(capacity: int = 8) -> tuple[Core, EventWriter, Intake, Lifecycle]:
     client = redis_conn()
     lifecycle = Lifecycle()
     lifecycle.move(State.SERVING)
-    writer = EventWriter(client, "m", "d", lifecycle)
+    ctx = DaemonContext(client, "m", "d", lifecycle)
+    writer = EventWriter(ctx)
     core = Core()
-    intake = Intake(core, client, "m", "d", lifecycle, writer, capacity=capacity)
+    intake = Intake(ctx, core, writer, capacity=capacity)
     return core, writer, intake, lifecycle
 
 

@@ -17,6 +17,7 @@ import json
 import uuid
 from typing import Any
 
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.intake import job_fingerprint
 from scheduler_daemon.service.recovery import CLAIM_MIN_IDLE_MS, Recovery
 from tests.live_service import redis_conn, wait_until
@@ -42,7 +43,8 @@ def until_claimable(client, stream: str) -> None:
 
 def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
     client = redis_conn()
-    stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    stream = protocol.jobs_stream(model)
     client.xgroup_create(stream, protocol.JOBS_GROUP, id="0", mkstream=True)
     job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
                        cache_scope="1", prompt="x")
@@ -50,11 +52,11 @@ def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
     client.xreadgroup(protocol.JOBS_GROUP, "dead-daemon", {stream: ">"})  # then it died
     until_claimable(client, stream)
     served: list[str] = []
-    b = Recovery(client, stream, "daemon-b", NoWriter(), lambda _e, j, _t: served.append("b"),
-                 None)
+    b = Recovery(DaemonContext(client, model, "daemon-b"), NoWriter(),
+                 lambda _e, j, _t: served.append("b"), None)
     a_client = redis_conn()
-    a = Recovery(a_client, stream, "daemon-a", NoWriter(), lambda _e, j, _t: served.append("a"),
-                 None)
+    a = Recovery(DaemonContext(a_client, model, "daemon-a"), NoWriter(),
+                 lambda _e, j, _t: served.append("a"), None)
     claim = a_client.xclaim
 
     def b_claims_first(*args, **kwargs):  # b read the same pending list before a claimed
@@ -72,14 +74,15 @@ def test_two_daemons_reclaiming_the_same_dead_daemon_serve_its_job_once():
 def test_a_dead_daemons_entries_too_recent_to_claim_are_not_dropped_with_its_consumer():
     """Deleting a consumer deletes its pending entries: it goes only once it has none."""
     client = redis_conn()
-    stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    stream = protocol.jobs_stream(model)
     client.xgroup_create(stream, protocol.JOBS_GROUP, id="0", mkstream=True)
     job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
                        cache_scope="1", prompt="x")
     client.xadd(stream, job.encode())
     client.xreadgroup(protocol.JOBS_GROUP, "dead-daemon", {stream: ">"})
     served: list[str] = []
-    recovery = Recovery(client, stream, "daemon-a", NoWriter(),
+    recovery = Recovery(DaemonContext(client, model, "daemon-a"), NoWriter(),
                         lambda _e, j, _t: served.append(j.id), None)
     try:
         recovery.reclaim_dead(dead_idle_ms=0)  # just read: not idle long enough to claim
@@ -110,8 +113,8 @@ class Ends:
     def terminal(self, request_id: str, _entry: str, kind: str, data: dict[str, Any]) -> None:
         self.refused.append((request_id, data["code"]))
 
-    def recovery(self, client, stream: str, daemon_id: str) -> Recovery:
-        return Recovery(client, stream, daemon_id, self,
+    def recovery(self, client, model: str, daemon_id: str) -> Recovery:
+        return Recovery(DaemonContext(client, model, daemon_id), self,
                         lambda _e, job, _t: self.served.append(job.id),
                         lambda request_id, _e, refusal: self.refused.append(
                             (request_id, refusal.code)))
@@ -123,7 +126,8 @@ class DeadRun:
 
     def __init__(self, client, daemon_id: str) -> None:
         self.redis, self.daemon_id = client, daemon_id
-        self.stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+        self.model = f"m-{uuid.uuid4().hex[:6]}"
+        self.stream = protocol.jobs_stream(self.model)
         client.xgroup_create(self.stream, protocol.JOBS_GROUP, id="0", mkstream=True)
         self.jobs: list[protocol.Job] = []
         self.entries: dict[str, bytes] = {}  # request id -> its jobs stream entry
@@ -171,7 +175,7 @@ def test_copies_of_one_request_at_one_death_count_once_and_all_go_on():
         run.read(*copies)
         run.start("run1", *copies)
         ends = Ends()
-        ends.recovery(client, run.stream, run.daemon_id).reclaim_own()  # restarted, same id
+        ends.recovery(client, run.model, run.daemon_id).reclaim_own()  # restarted, same id
         assert ends.refused == []
         assert ends.served == [job.id for job in copies]
         assert run.deaths(copies[0]) == {f"{run.daemon_id}/run1"}
@@ -189,12 +193,12 @@ def test_a_request_running_at_two_deaths_of_one_daemon_id_is_quarantined():
         run.read(job)
         run.start("run1", job)
         first = Ends()
-        second_run = first.recovery(client, run.stream, run.daemon_id)
+        second_run = first.recovery(client, run.model, run.daemon_id)
         second_run.reclaim_own()
         assert first.served == [job.id] and first.refused == []
         run.start(second_run.run_id, job)  # the restarted run starts it again, and dies too
         third = Ends()
-        third.recovery(client, run.stream, run.daemon_id).reclaim_own()
+        third.recovery(client, run.model, run.daemon_id).reclaim_own()
         assert third.refused == [(job.id, protocol.REQUEST_QUARANTINED)]
         assert third.served == []
         record = json.loads(client.hget(protocol.QUARANTINE_HASH, job_fingerprint(job)))
@@ -215,14 +219,14 @@ def test_another_tenants_copy_at_another_death_quarantines_nothing():
         run.read(theirs)
         run.start("run1", theirs)
         ends = Ends()
-        second_run = ends.recovery(client, run.stream, run.daemon_id)
+        second_run = ends.recovery(client, run.model, run.daemon_id)
         second_run.reclaim_own()
         assert ends.served == [theirs.id]
         client.xack(run.stream, protocol.JOBS_GROUP, run.entries[theirs.id])  # it ended
         run.read(mine)
         run.start(second_run.run_id, mine)
         ends = Ends()
-        ends.recovery(client, run.stream, run.daemon_id).reclaim_own()
+        ends.recovery(client, run.model, run.daemon_id).reclaim_own()
         assert ends.served == [mine.id] and ends.refused == []
         assert not run.quarantined(mine) and not run.quarantined(theirs)
     finally:
@@ -243,10 +247,10 @@ def test_two_daemons_recovering_one_death_at_once_count_it_once():
             p["time_since_delivered"] >= 1100 for p in client.xpending_range(
                 run.stream, protocol.JOBS_GROUP, "-", "+", 10)), timeout_s=10)
         other = Ends()
-        other_daemon = other.recovery(redis_conn(), run.stream, "daemon-b")
+        other_daemon = other.recovery(redis_conn(), run.model, "daemon-b")
         restarted_client = redis_conn()
         restarted = Ends()
-        own = restarted.recovery(restarted_client, run.stream, run.daemon_id)
+        own = restarted.recovery(restarted_client, run.model, run.daemon_id)
         read_running = restarted_client.hgetall
         raced: list[int] = []
 

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from scheduler_daemon.core.lifecycle import Lifecycle, State
+from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.control import Control
 from scheduler_daemon.service.event_writer import EventWriter
 from scheduler_daemon.service.heartbeat import Heartbeat
@@ -97,7 +98,8 @@ def test_cancels_are_heard_again_after_redis_comes_back_and_none_is_lost_meanwhi
     server.start()
     server.client().set(protocol.cancel_key("running-here"), 1)  # its publish went unheard
     server.stop()
-    control = Control(core, daemon_client(server), "d1", lifecycle, lambda: None)
+    ctx = DaemonContext(daemon_client(server), "m", "d1", lifecycle)
+    control = Control(ctx, core, lambda: None)
     thread = run(control.cancel_loop)
     time.sleep(OUTAGE_S)  # Redis down when the loop starts: it waits, it does not end
     assert thread.is_alive()
@@ -114,7 +116,8 @@ def test_cancels_are_heard_again_after_redis_comes_back_and_none_is_lost_meanwhi
 def test_the_heartbeat_is_published_again_after_an_outage_longer_than_its_ttl(server):
     server.start()
     lifecycle = serving()
-    beat = Heartbeat(FakeCore(), daemon_client(server), "m", "d1", lifecycle, rejected={})
+    beat = Heartbeat(DaemonContext(daemon_client(server), "m", "d1", lifecycle), FakeCore(),
+                     rejected={})
     thread = run(beat.run)
     client = server.client()
     wait_until(lambda: client.exists(protocol.daemon_key("d1")))
@@ -126,9 +129,8 @@ def test_the_heartbeat_is_published_again_after_an_outage_longer_than_its_ttl(se
 
 def test_the_intake_reads_again_and_recreates_its_group_when_redis_comes_back_empty(server):
     lifecycle = serving()
-    client = daemon_client(server)
-    writer = EventWriter(client, "m", "d1", lifecycle)
-    intake = Intake(FakeCore(), client, "m", "d1", lifecycle, writer)
+    ctx = DaemonContext(daemon_client(server), "m", "d1", lifecycle)
+    intake = Intake(ctx, FakeCore(), EventWriter(ctx))
     thread = run(intake.read_loop)
     time.sleep(OUTAGE_S)
     assert thread.is_alive()
@@ -145,9 +147,9 @@ def test_the_intake_reads_again_and_recreates_its_group_when_redis_comes_back_em
 def test_a_job_whose_start_meets_an_outage_waits_for_redis_instead_of_failing(server):
     server.start()
     core, lifecycle = FakeCore(), serving()
-    client = daemon_client(server)
-    writer = EventWriter(client, "m", "d1", lifecycle)
-    intake = Intake(core, client, "m", "d1", lifecycle, writer)
+    ctx = DaemonContext(daemon_client(server), "m", "d1", lifecycle)
+    writer = EventWriter(ctx)
+    intake = Intake(ctx, core, writer)
     intake.ensure_group()
     job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
                        cache_scope="1", prompt="x")
@@ -170,7 +172,7 @@ def test_a_job_whose_start_meets_an_outage_waits_for_redis_instead_of_failing(se
 def test_events_buffered_during_an_outage_are_written_once_when_redis_is_back(server):
     server.start()
     lifecycle = serving()
-    writer = EventWriter(daemon_client(server), "m", "d1", lifecycle)
+    writer = EventWriter(DaemonContext(daemon_client(server), "m", "d1", lifecycle))
     thread = run(writer.run)
     server.stop()
     request_id = uuid.uuid4().hex
@@ -188,15 +190,16 @@ def test_a_consumer_that_reads_is_not_reclaimed_though_its_heartbeat_key_is_gone
     """After an outage longer than HEARTBEAT_TTL_S a live daemon's key is gone for a moment;
     its pending jobs stay its own while it keeps reading."""
     client = redis_conn()
-    stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    stream = protocol.jobs_stream(model)
     client.xgroup_create(stream, protocol.JOBS_GROUP, id="0", mkstream=True)
     job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
                        cache_scope="1", prompt="x")
     client.xadd(stream, job.encode())
     client.xreadgroup(protocol.JOBS_GROUP, "live-daemon", {stream: ">"})  # it runs the job
     served: list[str] = []
-    other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
-                     None)
+    other = Recovery(DaemonContext(client, model, "other"), NoWriter(),
+                     lambda _e, j, _t: served.append(j.id), None)
     try:
         until_claimable(client, stream)  # its entry is claimable by idle time
         client.xreadgroup(protocol.JOBS_GROUP, "live-daemon", {stream: ">"})  # still reading
@@ -212,7 +215,8 @@ def test_a_daemon_that_stopped_cleanly_is_reclaimed_without_the_idle_wait():
     """A SIGTERM'd daemon leaves its gone key: its handed-back jobs need not wait until its
     consumer looks idle (the rule above is for daemons that may still be alive)."""
     client = redis_conn()
-    stream = protocol.jobs_stream(f"m-{uuid.uuid4().hex[:6]}")
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    stream = protocol.jobs_stream(model)
     client.xgroup_create(stream, protocol.JOBS_GROUP, id="0", mkstream=True)
     job = protocol.Job(id=uuid.uuid4().hex, kind="completion", model="m", tenant_id="1",
                        cache_scope="1", prompt="x")
@@ -220,8 +224,8 @@ def test_a_daemon_that_stopped_cleanly_is_reclaimed_without_the_idle_wait():
     name = f"stopped-{uuid.uuid4().hex[:6]}"
     client.xreadgroup(protocol.JOBS_GROUP, name, {stream: ">"})
     served: list[str] = []
-    other = Recovery(client, stream, "other", NoWriter(), lambda _e, j, _t: served.append(j.id),
-                     None)
+    other = Recovery(DaemonContext(client, model, "other"), NoWriter(),
+                     lambda _e, j, _t: served.append(j.id), None)
     try:
         until_claimable(client, stream)  # claimable by idle time, not dead by the rule
         assert other.reclaim_dead() == 0

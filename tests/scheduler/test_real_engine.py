@@ -8,6 +8,7 @@ same request in the same conditions, and first tokens across batched and solo ru
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -180,15 +181,22 @@ def test_greedy_bias_picks_around_banned_tokens_and_leaves_the_logits_as_they_we
         s.close()
 
 
-def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine):
+def test_cancel_mid_prefill_of_a_long_prompt(gemma_engine, monkeypatch):
+    decoding = threading.Event()  # set as an abortable (prefill) decode begins
+    decode = gemma_engine.decode
+
+    def watched(rows, abortable=False):
+        if abortable:
+            decoding.set()
+        return decode(rows, abortable)
+
+    monkeypatch.setattr(gemma_engine, "decode", watched)
     core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=1024))
     core.start()
     try:
         prompt = " ".join(f"word{i}" for i in range(600))  # ~2,400 tokens: seconds of prefill
         handle = core.submit(prompt=prompt, params=SamplingParams(max_tokens=8))
-        while core.snapshot()["slots"][0]["state"] != "prefilling":
-            time.sleep(0.01)
-        time.sleep(0.3)  # now inside a ~1,000-token decode
+        assert decoding.wait(60)  # the first ~1,000-token chunk's decode is under way
         t0 = time.monotonic()
         core.cancel(handle.id)
         done = handle.result(timeout=120).finished
