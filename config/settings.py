@@ -355,6 +355,15 @@ PROMPT_CACHE_RAM_MB = env_int("PROMPT_CACHE_RAM_MB", 256)
 # cache_idle_slots); returning sessions then restore from RAM. docs/performance.md.
 IDLE_SLOTS_TO_RAM = env_bool("IDLE_SLOTS_TO_RAM", True)
 PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 1.0)
+# (daemon) The prompt cache's disk tier: sequence states as files under PROMPT_CACHE_DIR (a
+# folder per model and context layout, one per tenant inside it; mode 0700), at most
+# PROMPT_CACHE_DISK_MB (LRU), so that a conversation's next turn after a restart is a hit.
+# States of at least PROMPT_CACHE_DISK_MIN_TOKENS go there when a request ends, when the RAM
+# tier pushes them out and at shutdown (for at most PROMPT_CACHE_SHUTDOWN_S). 0 MB: off.
+PROMPT_CACHE_DIR = env_str("PROMPT_CACHE_DIR", str(BASE_DIR / "var" / "prompt-cache"))
+PROMPT_CACHE_DISK_MB = env_int("PROMPT_CACHE_DISK_MB", 2048)
+PROMPT_CACHE_DISK_MIN_TOKENS = env_int("PROMPT_CACHE_DISK_MIN_TOKENS", 256)
+PROMPT_CACHE_SHUTDOWN_S = env_float("PROMPT_CACHE_SHUTDOWN_S", 5.0)
 # A stream's later tokens are written to Redis at most this often (several per event); its
 # first token and its end go at once. 0: every tick. See docs/daemon.md.
 STREAM_INTERVAL_MS = env_int("STREAM_INTERVAL_MS", 50)

@@ -171,6 +171,8 @@ class WebServer:
             # tests send bursts of hundreds of requests with one key; the door's rate at its
             # defaults is tested by tests/test_door.py and bench/door_floods.py
             "PROXY_REQUESTS_PER_S": "100000", "PROXY_REQUEST_BURST": "100000",
+            # its daemons share one disk tier (as a fleet on one host does), removed with it
+            "PROMPT_CACHE_DIR": str(self.tmp / "prompt-cache"),
         }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -13,5 +13,11 @@ os.environ.setdefault("DEBUG", "true")
 # Tests that kill daemons without bringing one back would wait that long for their answer;
 # the chaos tests that bring one back set their own.
 os.environ.setdefault("RECOVERY_TIMEOUT_S", "3")
+# The prompt cache's disk tier writes under a folder of the test run's, never the checkout's
+# (the live servers give each of theirs a folder of its own: tests/live_service.py).
+if "PROMPT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PROMPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="prompt-cache-test-")
 
 from config.settings import *  # noqa: E402,F403

@@ -42,6 +42,7 @@ from wire.sampling import SamplingParams
 
 from .chat import ChatRenderer, message_pairs
 from .choices import ChoiceGroups
+from .disk_cache import DiskCache
 from .embeddings import DEFAULT_EMBEDDINGS_TENANT_TOKENS, EmbeddingsQueue
 from .liveness import RUNNING, STUCK_AFTER_S, LoopClock
 from .scheduler import Scheduler, SchedulerConfig
@@ -117,13 +118,17 @@ class InferenceCore:
         embeddings: bool = True,
         embeddings_tenant_tokens: int = DEFAULT_EMBEDDINGS_TENANT_TOKENS,
         embeddings_tenant_jobs: int | None = None,
+        disk: DiskCache | None = None,
+        shutdown_save_s: float = 5.0,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
         anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
         served (a second context, made at the first one); ``embeddings_tenant_tokens``
         (EMBEDDINGS_TENANT_TOKENS): the embeddings tokens one tenant's jobs may hold here;
         ``embeddings_tenant_jobs``: the embeddings jobs one tenant may hold here (default: a
-        quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it)."""
+        quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it).
+        ``disk``: the prefix cache's disk tier (opened); ``stop`` saves the slots' and the RAM
+        tier's states to it for at most ``shutdown_save_s`` (PROMPT_CACHE_SHUTDOWN_S)."""
         self.engine = engine
         self.embeddings = embeddings
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
@@ -132,7 +137,8 @@ class InferenceCore:
         # fault hooks: run_scheduler.abort_when_marked)
         self.turn_hooks: list[Callable[[], None]] = []
         self.chat = ChatRenderer(engine, chat_template)
-        self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick)
+        self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick, disk=disk)
+        self.shutdown_save_s = shutdown_save_s
         self.listeners: list[Callable[[Event], None]] = []
         self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
         self._handles: dict[str, RequestHandle] = {}  # guarded by the scheduler's lock
@@ -204,7 +210,16 @@ class InferenceCore:
             preempt_min_tokens=get("PREEMPT_MIN_TOKENS"),
             max_queue_per_scope=get("MAX_QUEUE_PER_TENANT"),
             park_seq=True,
+            disk_min_tokens=get("PROMPT_CACHE_DISK_MIN_TOKENS"),
         )
+        disk = None
+        if get("PROMPT_CACHE_DISK_MB") > 0 and get("PROMPT_CACHE_DIR") and get("CACHE_PROMPT"):
+            disk = DiskCache(
+                get("PROMPT_CACHE_DIR"), engine.cache_identity, get("PROMPT_CACHE_DISK_MB") * 2**20,
+                max_tokens=engine.n_ctx, tenant_share=get("PROMPT_CACHE_TENANT_SHARE"),
+                partial_max_tokens=engine.n_swa,
+            )
+            disk.open()
         max_prompt_bytes = overrides.get(
             "max_prompt_bytes", getattr(settings, "MAX_PROMPT_BYTES", DEFAULT_MAX_PROMPT_BYTES)
         )
@@ -217,6 +232,8 @@ class InferenceCore:
             embeddings_tenant_tokens=int(overrides.get(
                 "embeddings_tenant_tokens", getattr(settings, "EMBEDDINGS_TENANT_TOKENS",
                                                     DEFAULT_EMBEDDINGS_TENANT_TOKENS))),
+            disk=disk,
+            shutdown_save_s=get("PROMPT_CACHE_SHUTDOWN_S"),
         )
         core.max_answer_bytes = int(overrides.get(
             "max_vocab_answer_bytes", getattr(settings, "MAX_VOCAB_ANSWER_BYTES",
@@ -256,7 +273,22 @@ class InferenceCore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._save_for_restart()
         return handed_back
+
+    def _save_for_restart(self) -> None:
+        """The disk tier's ``shutdown`` saves: no decode runs any more (the loop ended), so
+        this thread may read the slots' states."""
+        cache = self.scheduler.cache
+        if cache.writer is None:
+            return
+        t0 = time.monotonic()
+        with self.scheduler.lock:
+            cache.settle()
+            queued = cache.persist_all(self.scheduler.slots(), self.shutdown_save_s)
+        cache.writer.close(max(0.0, self.shutdown_save_s - (time.monotonic() - t0)))
+        log.info("prompt cache: %d states saved to disk at shutdown in %.0f ms", queued,
+                 1000 * (time.monotonic() - t0))
 
     def _loop(self) -> None:
         """Tick until stopped. A tick that raises fails the requests of its batch, not every

@@ -7,7 +7,15 @@ looked at, copied or restored (SGLang's radix cache keys on (extra_key, tokens) 
 - ``cross_slot``: another slot, idle or busy, holds a longer one: ``llama_memory_seq_cp``
   of positions [0, n) (metadata only under the unified KV buffer), then prefill the rest;
 - ``ram``: a saved sequence state (``ram_cache.RamCache``) restored with
-  ``llama_state_seq_set_data`` instead of prefilling.
+  ``llama_state_seq_set_data`` instead of prefilling;
+- ``disk``: the same, read from a file (``disk_cache.DiskCache``): it outlives the daemon.
+
+The longest usable prefix wins; on a tie the cheaper tier (the order above). States reach
+the disk tier off the decode loop (``disk_cache.DiskWriter``'s thread), for three reasons:
+``evict`` (a RAM entry pushed out: its bytes are already serialized), ``finish`` (a request
+ended holding at least ``disk_min_tokens``: its slot's state is serialized after the tick,
+once, for the RAM tier and the disk both) and ``shutdown`` (``persist_all``: the slots and
+the RAM entries not on disk yet).
 
 Before a slot's cached KV is destroyed (reused for another prompt or scope, purged under
 KV pressure) it is saved to RAM, if that tier is on and the state fits its budget. With a
@@ -30,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .disk_cache import DiskCache, DiskWriter
 from .ram_cache import RamCache, RamEntry, common_prefix_len
 from .state import CacheEvent, RequestState, Slot, SlotState
 
@@ -85,6 +94,8 @@ class PrefixCache:
         clock: Callable[[], float],
         park_seq: int | None = None,
         idle_to_ram: bool = False,
+        disk: DiskCache | None = None,
+        disk_min_tokens: int = 256,
     ) -> None:
         self.engine = engine
         self.ram = ram
@@ -96,6 +107,10 @@ class PrefixCache:
         self.park_seq = park_seq
         self._parked: _Parked | None = None
         self.idle_to_ram = idle_to_ram and ram is not None  # without RAM it would just forget
+        self.disk = disk
+        self.disk_min_tokens = max(self.min_save_tokens, disk_min_tokens)
+        self.writer = DiskWriter(disk, self._disk_saved) if disk is not None else None
+        self._to_persist: list[tuple[Slot, int]] = []  # finished slots (and their length)
 
     def prepare(self, req: RequestState, slot: Slot, slots: list[Slot]) -> None:
         """Make ``slot`` hold the longest reusable prefix of the prompt; set ``cached_tokens``."""
@@ -111,7 +126,14 @@ class PrefixCache:
             self.counters["cache_lookups"] += 1
             best = self._lookup(req, slot, slots, matches, best)
             self._check_stability(req, slots, matches)
-        keep = own if best.tier != "ram" else 0  # a restore replaces the whole sequence
+        data = None
+        if best.tier == "disk":
+            assert self.disk is not None and best.entry is not None
+            data = self.disk.read(best.entry)  # checked before it is any of llama.cpp's
+            if data is None:
+                self.counters["disk_restore_failures"] += 1
+                best = _Source("slot", own, slot)
+        keep = own if best.tier not in ("ram", "disk") else 0  # a restore replaces it all
         if keep < len(slot.tokens):
             self.preserve(slot, slots, protect=best.entry, defer=True)
             keep = self._truncate(slot, keep)
@@ -121,9 +143,10 @@ class PrefixCache:
         n = keep
         if best.tier == "cross_slot":
             n = self._copy(best.slot, slot, keep, best.n_tokens)
-        elif best.tier == "ram":
-            n = self._restore(best.entry, slot, best.n_tokens)
+        elif best.tier in ("ram", "disk"):
+            n = self._restore(best.entry, slot, best.n_tokens, best.tier, data)
         req.cached_tokens = n
+        req.cache_tier = best.tier if n > keep else ("slot" if keep else None)
         if keep:
             self._count_hit("slot", keep)
             slot.cache_hits += 1
@@ -206,27 +229,27 @@ class PrefixCache:
         return True
 
     def _save(self, seq_id: int, scope: str, tokens: list[int],
-              protect: RamEntry | None) -> None:
+              protect: RamEntry | None) -> RamEntry | None:
         """Sequence ``seq_id``'s state (holding ``tokens`` of ``scope``) into the RAM tier."""
         assert self.ram is not None
         n = len(tokens)
         size = self.engine.state_size(seq_id)  # asked first: never allocate past the budget
         if not self.ram.fits(scope, size):
             self._event("reject", scope, n, size)
-            return
+            return None
         evicted, room = self.ram.make_room(scope, tokens, size, protect)
-        for entry in evicted:
-            self._event("evict", entry.cache_scope, len(entry.tokens), entry.size_bytes)
+        self._evicted(evicted)
         if not room:
             self._event("reject", scope, n, size)
-            return
+            return None
         data = self.engine.state_save(seq_id, size)
         if data is None:
             self.counters["ram_save_failures"] += 1
             log.warning("could not save sequence %d's state (%d bytes)", seq_id, size)
-            return
-        self.ram.add(scope, tokens, data, size, self._clock())
+            return None
+        entry = self.ram.add(scope, tokens, data, size, self._clock())
         self._event("save", scope, n, size)
+        return entry
 
     # -- preemption: a request's own state out of its slot and back ------------------
 
@@ -242,8 +265,7 @@ class PrefixCache:
         room = self.ram.fits(scope, size)
         if room:
             evicted, room = self.ram.make_room(scope, tokens, size, owned=True)
-            for entry in evicted:
-                self._event("evict", entry.cache_scope, len(entry.tokens), entry.size_bytes)
+            self._evicted(evicted)
         data = self.engine.state_save(slot.seq_id, size) if room else None
         if data is None:
             self.counters["preempt_unsaved"] += 1
@@ -348,6 +370,10 @@ class PrefixCache:
             entry, n = self.ram.lookup(req.cache_scope, req.prompt, limit)
             if n > best.n_tokens and n >= self.min_save_tokens:  # shorter: not worth a restore
                 best = _Source("ram", n, None, entry)
+        if self.disk is not None:
+            entry, n = self.disk.lookup(req.cache_scope, req.prompt, limit)
+            if n > best.n_tokens and n >= self.min_save_tokens:
+                best = _Source("disk", n, None, entry)
         return best
 
     def _check_stability(
@@ -406,38 +432,127 @@ class PrefixCache:
             src.last_used = self._clock()
         return p1
 
-    def _restore(self, entry: RamEntry, slot: Slot, n: int) -> int:
-        """Load a saved state into an empty slot; cut it to the ``n`` tokens the prompt shares."""
+    def _restore(self, entry: RamEntry, slot: Slot, n: int, tier: str = "ram",
+                 data: Any = None) -> int:
+        """Load a saved state into an empty slot; cut it to the ``n`` tokens the prompt shares.
+        ``data``: the disk tier's bytes (read and checked by the caller)."""
         seq = slot.seq_id
-        ok = self.engine.state_restore(seq, entry.data)
+        ok = self.engine.state_restore(seq, entry.data if data is None else data)
         if ok and n < len(entry.tokens):
             ok = self.engine.kv_remove(seq, n, -1)
         if not (ok and self.engine.kv_prefix_intact(seq, n)):
             self.engine.kv_remove(seq, 0, -1)
-            self.counters["ram_restore_failures"] += 1
-            log.warning("could not restore a %d-byte state into slot %d", entry.size_bytes, seq)
+            self.counters[f"{tier}_restore_failures"] += 1
+            log.warning("could not restore a %d-byte %s state into slot %d", entry.size_bytes,
+                        tier, seq)
             return 0
         slot.tokens[:] = entry.tokens[:n]
-        self.ram.touch(entry, self._clock())
-        self._event("restore", entry.cache_scope, n, entry.size_bytes)
+        if tier == "ram":
+            self.ram.touch(entry, self._clock())
+        self._event("restore", entry.cache_scope, n, entry.size_bytes, tier=tier)
         return n
+
+    def _evicted(self, entries: list[RamEntry]) -> None:
+        """RAM entries pushed out: counted, and handed to the disk tier (``evict``)."""
+        for entry in entries:
+            self._event("evict", entry.cache_scope, len(entry.tokens), entry.size_bytes)
+            self._to_disk(entry.cache_scope, entry.tokens, entry.data, "evict")
+
+    def _to_disk(self, scope: str, tokens: list[int], data: Any, reason: str,
+                 block_s: float = 0.0) -> bool:
+        """Queue a serialized state for the disk tier unless it holds it (or more) already."""
+        if (self.writer is None or len(tokens) < self.disk_min_tokens
+                or self.disk.covers(scope, tokens) or self.writer.pending(scope, tokens)):
+            return False
+        return self.writer.submit(scope, tokens, data, reason, block_s)
+
+    def _disk_saved(self, scope: str, n_tokens: int, size_bytes: int, reason: str) -> None:
+        """The writer's thread: a state is on disk (an event; the counters are the disk's)."""
+        self._emit(CacheEvent("save", scope, n_tokens, size_bytes, tier="disk", reason=reason))
+
+    # -- the disk tier: finished requests' states, and everything at shutdown ------------
+
+    def finished(self, slot: Slot) -> None:
+        """A request ended on ``slot`` keeping its KV: its state goes to disk after the tick
+        (``persist``) when it is long enough and not there yet."""
+        if (self.writer is not None and slot.scope is not None
+                and len(slot.tokens) >= self.disk_min_tokens):
+            self._to_persist.append((slot, len(slot.tokens)))
+
+    @property
+    def persisting(self) -> bool:
+        return bool(self._to_persist)
+
+    def persist(self) -> None:
+        """After the tick (loop thread, lock held): the finished slots' states serialized
+        once, kept in the RAM tier (so its later save is a hit) and queued for the disk."""
+        todo, self._to_persist = self._to_persist, []
+        for slot, n in todo:
+            if slot.state is not SlotState.IDLE or len(slot.tokens) != n or slot.scope is None:
+                continue  # taken again since (its prefix is handled by the next owner)
+            self._persist_slot(slot, "finish")
+
+    def _persist_slot(self, slot: Slot, reason: str, block_s: float = 0.0) -> bool:
+        scope, tokens = slot.scope, list(slot.tokens)
+        assert scope is not None and self.disk is not None
+        if self.disk.covers(scope, tokens) or (self.writer and self.writer.pending(scope, tokens)):
+            return False
+        entry = None
+        if self.ram is not None:
+            entry = next((e for e in self.ram.entries()
+                          if e.owner is None and e.cache_scope == scope and e.tokens == tokens),
+                         None) or self._save(slot.seq_id, scope, tokens, None)
+        if entry is not None:
+            data = entry.data
+        else:
+            size = self.engine.state_size(slot.seq_id)
+            if size > self.disk.budget_bytes:
+                return False
+            data = self.engine.state_save(slot.seq_id, size)
+            if data is None:
+                self.counters["disk_save_failures"] += 1
+                return False
+        return self._to_disk(scope, tokens, data, reason, block_s)
+
+    def persist_all(self, slots: list[Slot], timeout_s: float) -> int:
+        """Shutdown (no decode runs any more): every slot's cached prefix and every RAM
+        entry not on disk yet, most recently used first, written within ``timeout_s``.
+        Returns how many states were queued."""
+        if self.writer is None:
+            return 0
+        deadline = self._clock() + timeout_s
+        queued = 0
+        for slot in sorted(slots, key=lambda s: s.last_used, reverse=True):
+            if self._clock() >= deadline:
+                break
+            if slot.scope is not None and len(slot.tokens) >= self.disk_min_tokens:
+                queued += self._persist_slot(slot, "shutdown", max(0.0, deadline - self._clock()))
+        for entry in (self.ram.entries()[::-1] if self.ram is not None else []):
+            if self._clock() >= deadline:
+                break
+            if entry.owner is None:
+                queued += self._to_disk(entry.cache_scope, entry.tokens, entry.data, "shutdown",
+                                        max(0.0, deadline - self._clock()))
+        self.writer.flush(max(0.0, deadline - self._clock()))
+        return queued
 
     def _count_hit(self, tier: str, n_tokens: int) -> None:
         if n_tokens > 0:
             self.counters[f"cache_hits_{tier}"] += 1
             self.counters[f"cache_hit_tokens_{tier}"] += n_tokens
 
-    def _event(self, kind: str, scope: str, n_tokens: int, size_bytes: int, **extra: Any) -> None:
-        """Count an event (``ram_save``, ``ram_save_bytes``, ...) and hand it to the hook."""
-        name = kind if kind == "prefix_instability" else f"ram_{kind}"
+    def _event(self, kind: str, scope: str, n_tokens: int, size_bytes: int, tier: str = "ram",
+               **extra: Any) -> None:
+        """Count an event (``ram_save``, ``ram_save_bytes``, ``disk_restore``, ...) and hand
+        it to the hook."""
+        name = kind if kind == "prefix_instability" else f"{tier}_{kind}"
         self.counters[name] += 1
         if kind != "prefix_instability":
             self.counters[f"{name}_bytes"] += size_bytes
             self.counters[f"{name}_tokens"] += n_tokens
-            log.debug(
-                "RAM cache %s: scope %s, %d tokens, %d bytes", kind, scope, n_tokens, size_bytes
-            )
-        self._emit(CacheEvent(kind, scope, n_tokens, size_bytes, **extra))
+            log.debug("%s cache %s: scope %s, %d tokens, %d bytes", tier, kind, scope,
+                      n_tokens, size_bytes)
+        self._emit(CacheEvent(kind, scope, n_tokens, size_bytes, tier=tier, **extra))
 
 
 def _age_ms(now: float, then: float) -> float:

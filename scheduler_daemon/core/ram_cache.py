@@ -166,6 +166,13 @@ class RamCache:
                 return self._remove(entry)
         return None
 
+    def discard(self, entry: RamEntry) -> bool:
+        """Remove one entry if it is still here (owned or not); whether it was."""
+        if self._entries.get(entry.id) is not entry:
+            return False
+        self._remove(entry)
+        return True
+
     def evict_scope(self, cache_scope: str) -> int:
         """Drop every cached entry of one scope (an operator's action; running requests'
         own entries stay, as their slots do); returns how many."""

@@ -26,6 +26,7 @@ from wire import errors
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
+from .disk_cache import DiskCache
 from .engine_api import (
     DECODE_ABORTED,
     DECODE_KV_FULL,
@@ -96,6 +97,9 @@ class SchedulerConfig:
     ram_cache_bytes: int = 256 * 2**20  # RAM prompt cache budget (PROMPT_CACHE_RAM_MB); 0: off
     ram_tenant_share: float = 1.0  # most of that budget one cache_scope may hold
     ram_min_tokens: int = 16  # shorter cached prefixes are not worth a RAM entry
+    # a request that ends holding at least this many tokens has its state saved to the disk
+    # tier (PROMPT_CACHE_DISK_MIN_TOKENS); shorter RAM entries never go there either
+    disk_min_tokens: int = 256
     session_max_bypass: int = 4  # session requests that may go ahead of one queue head
     # Fair shares between cache scopes (tenants). KV_TENANT_SHARE: the most of the KV block
     # budget one scope's running requests may reserve (so one request's reservation can never
@@ -127,7 +131,9 @@ class Scheduler:
         on_tick: Callable[[TickStats], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_cache_event: Callable[[CacheEvent], None] | None = None,
+        disk: DiskCache | None = None,
     ) -> None:
+        """``disk``: the prefix cache's disk tier (opened), if any."""
         self.engine = engine
         self.config = config
         self._emit = on_event
@@ -184,6 +190,8 @@ class Scheduler:
             clock,
             park_seq=n_slots if config.park_seq else None,
             idle_to_ram=config.idle_slots_to_ram,
+            disk=disk,
+            disk_min_tokens=config.disk_min_tokens,
         )
         for seq_id in range(engine.n_seq_max):  # a new scheduler owns the context: all empty
             engine.kv_remove(seq_id, 0, -1)
@@ -354,7 +362,13 @@ class Scheduler:
                 self._forget(slot)
             self.cache.forget_parked(cache_scope)  # parked during a decode: never saved
             ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
-            return len(idle) + ram
+            disk = self.cache.disk.evict_scope(cache_scope) if self.cache.disk is not None else 0
+            return len(idle) + ram + disk
+
+    def slots(self) -> list[Slot]:
+        """The slots (read or change them on the loop thread, or with the lock held once the
+        loop has ended)."""
+        return self._slots
 
     def request_ids(self) -> set[str]:
         """Requests queued or running."""
@@ -450,9 +464,10 @@ class Scheduler:
         try:
             return self._run(plan)
         finally:
-            if self.cache.parked:
+            if self.cache.parked or self.cache.persisting:
                 with self.lock:
                     self.cache.settle()
+                    self.cache.persist()
 
     def _run(self, plan: TickPlan) -> TickStats | None:
         t0 = self._clock()
@@ -1005,6 +1020,8 @@ class Scheduler:
         slot.request, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()
         if not keep_cache:
             self._forget(slot)
+        else:
+            self.cache.finished(slot)
 
     def _forget(self, slot: Slot) -> None:
         loop = self._loop_thread

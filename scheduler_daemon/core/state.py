@@ -107,6 +107,7 @@ class RequestState:
     unsent_tokens: int = 0  # tokens generated since the last TokenEvent
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per output token, if asked
     cached_tokens: int = 0
+    cache_tier: str | None = None  # slot, cross_slot, ram or disk: where cached_tokens came from
     continued_tokens: int = 0  # the tail of ``prompt`` that is output of an earlier daemon
     passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
     t_started: float | None = None
@@ -204,8 +205,10 @@ class TickStats:
 class CacheEvent:
     """Something the prefix cache did (for logs, counters and the daemon's state). No token ids.
 
-    ``kind``: save / restore / evict / reject (RAM tier), or prefix_instability (a request
-    matched only 10-50% of a slot's cached history, which then has ``history_tokens``).
+    ``kind``: save / restore / evict / reject (of ``tier``: ram or disk), or
+    prefix_instability (a request matched only 10-50% of a slot's cached history, which then
+    has ``history_tokens``). ``reason``: why a disk save ran (finish, evict, shutdown).
+    Disk saves are reported from the disk writer's thread, the rest from the loop's.
     """
 
     kind: str
@@ -214,6 +217,8 @@ class CacheEvent:
     size_bytes: int = 0
     request_id: str | None = None
     history_tokens: int = 0
+    tier: str = "ram"
+    reason: str | None = None
 
 
 Event = TokenEvent | FinishedEvent

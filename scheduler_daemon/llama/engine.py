@@ -11,6 +11,7 @@ policy is tested with a fake engine and no model.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import threading
@@ -93,6 +94,7 @@ class LlamaEngine:
         self._n_threads = config.n_threads
         self._compute_thread: threading.Thread | None = None  # see decode(): the team's master
         self.kv_bytes_per_token = self._measure_kv_bytes_per_token()
+        self.cache_identity = self._cache_identity(path, config)
         log.info(
             "model ready: arch=%s vocab=%d n_ctx=%d n_batch=%d n_seq_max=%d",
             self.architecture,
@@ -299,9 +301,35 @@ class LlamaEngine:
         written = lc.llama_state_seq_get_data(self._ctx, buf, size_bytes, seq_id)
         return buf if written == size_bytes else None
 
-    def state_restore(self, seq_id: int, data: ctypes.Array) -> bool:
-        """Replace the sequence's cells with a saved state; False (sequence emptied) on failure."""
+    def state_restore(self, seq_id: int, data: ctypes.Array | bytearray) -> bool:
+        """Replace the sequence's cells with a saved state (``state_save``'s buffer, or its
+        bytes read back into a bytearray); False (sequence emptied) on failure."""
+        if isinstance(data, bytearray):
+            data = (ctypes.c_uint8 * len(data)).from_buffer(data)  # no copy
         return lc.llama_state_seq_set_data(self._ctx, data, len(data), seq_id) > 0
+
+    def _cache_identity(self, path: Path, config: EngineConfig) -> str:
+        """What a saved sequence state depends on, hashed (the disk tier's folder and
+        files): llama.cpp's version, the model file (its size and its first and last 4 MiB:
+        the GGUF header, its metadata and tensor index, and the last tensors' bytes), the
+        model's shape and the context parameters that shape the KV cells."""
+        h = hashlib.sha256(b"llm-kv-state-v1\x00")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(f.read(4 << 20))
+            f.seek(max(0, size - (4 << 20)))
+            h.update(f.read(4 << 20))
+        params = self._context_params(config)
+        shape = {
+            "llama_cpp": getattr(lc, "__version__", "?"), "size": size,
+            "arch": self.architecture, "n_params": int(lc.llama_model_n_params(self._model)),
+            "n_layer": int(lc.llama_model_n_layer(self._model)), "n_swa": self.n_swa,
+            "type_k": int(params.type_k), "type_v": int(params.type_v),
+            "flash_attn": int(getattr(params, "flash_attn_type", -2)),
+            "swa_full": bool(params.swa_full), "kv_unified": bool(params.kv_unified),
+        }
+        h.update(json.dumps(shape, sort_keys=True).encode())
+        return h.hexdigest()
 
     def _measure_kv_bytes_per_token(self) -> int:
         """One token's share of a saved sequence state (for cache listings): a 2-token probe.
