@@ -23,7 +23,8 @@ class TenantAdmin(admin.ModelAdmin):
     """Tenants with their last 24 h / 30 days of use (one aggregate query per page)."""
 
     list_display = ["slug", "name", "is_active", "requests_24h", "tokens_24h",
-                    "requests_30d", "tokens_30d", "created"]
+                    "requests_30d", "tokens_30d", "cache_read_30d", "cache_created_30d",
+                    "created"]
     list_filter = ["is_active"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
@@ -37,10 +38,14 @@ class TenantAdmin(admin.ModelAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
         now = timezone.now()
         day_requests, day_tokens = _usage(now - timedelta(hours=24))
-        month_requests, month_tokens = _usage(now - timedelta(days=30))
+        month = now - timedelta(days=30)
+        month_requests, month_tokens = _usage(month)
+        recent = Q(requests__created__gte=month)
         return super().get_queryset(request).annotate(
             requests_24h=day_requests, tokens_24h=day_tokens,
-            requests_30d=month_requests, tokens_30d=month_tokens)
+            requests_30d=month_requests, tokens_30d=month_tokens,
+            cache_read_30d=Coalesce(Sum("requests__cached_tokens", filter=recent), 0),
+            cache_created_30d=Coalesce(Sum("requests__cache_created_tokens", filter=recent), 0))
 
     def _count(field: str, description: str) -> Any:  # a helper for the class body
         """A column showing an annotated count, sortable by it."""
@@ -51,6 +56,8 @@ class TenantAdmin(admin.ModelAdmin):
     tokens_24h = _count("tokens_24h", "tokens 24 h")
     requests_30d = _count("requests_30d", "requests 30 d")
     tokens_30d = _count("tokens_30d", "tokens 30 d")
+    cache_read_30d = _count("cache_read_30d", "cached 30 d")
+    cache_created_30d = _count("cache_created_30d", "cache created 30 d")
     del _count
 
 

@@ -15,9 +15,10 @@ class InferenceRequestAdmin(admin.ModelAdmin):
 
     list_display = [
         "id", "tenant", "kind", "model", "status", "finish_reason", "prompt_tokens",
-        "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "created",
+        "cached_tokens", "cache_hit", "cache_tier", "completion_tokens", "ttft_ms", "duration_ms",
+        "created",
     ]
-    list_filter = ["tenant", "status", "model", "finish_reason",
+    list_filter = ["tenant", "status", "model", "finish_reason", "cache_hit", "cache_tier",
                    ("created", admin.DateFieldListFilter)]
     list_select_related = ["tenant"]
     search_fields = ["id", "session"]

@@ -112,6 +112,13 @@ def _finished_fields(finish_reason: str, usage: dict[str, Any] | None,
             completion_tokens=usage["completion_tokens"],
             cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
         )
+        details = usage["prompt_tokens_details"]
+        if "cache_created_tokens" in details:  # a daemon of this version's
+            fields.update(
+                cache_created_tokens=details["cache_created_tokens"],
+                cache_hit=details.get("cache_hit") or "",
+                cache_tier=details.get("cache_tier") or "",
+            )
     if timings:
         fields.update(ttft_ms=timings.get("ttft_ms"), duration_ms=timings.get("duration_ms"))
     return fields

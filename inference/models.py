@@ -41,6 +41,11 @@ class InferenceRequest(models.Model):
     session = models.CharField(max_length=200, blank=True, help_text="client's session id")
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     cached_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # the prompt cache's account (wire.protocol.usage): tokens computed and kept as a
+    # reusable prefix, the hit's kind and the tier it came from
+    cache_created_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cache_hit = models.CharField(max_length=16, blank=True)
+    cache_tier = models.CharField(max_length=16, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
     finish_reason = models.CharField(max_length=32, blank=True)
     ttft_ms = models.FloatField(null=True, blank=True)

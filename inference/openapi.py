@@ -215,6 +215,16 @@ class CompletionRequestSerializer(CommonRequestSerializer):
 
 class PromptTokensDetailsSerializer(serializers.Serializer):
     cached_tokens = serializers.IntegerField()
+    cache_read_tokens = serializers.IntegerField(
+        required=False, help_text="prompt tokens read from the cache (= cached_tokens)")
+    cache_created_tokens = serializers.IntegerField(
+        required=False, help_text="prompt tokens computed and kept as a reusable prefix")
+    cache_hit = serializers.ChoiceField(
+        ["exact", "session", "prefix", "none"], required=False,
+        help_text="exact: every prompt token but the last was cached")
+    cache_tier = serializers.ChoiceField(
+        ["slot", "cross_slot", "ram", "disk"], required=False, allow_null=True,
+        help_text="where the cached tokens came from; null without a hit")
 
 
 class TokenUsageSerializer(serializers.Serializer):

@@ -17,6 +17,9 @@ class InferenceRequestSerializer(serializers.ModelSerializer):
             "session",
             "prompt_tokens",
             "cached_tokens",
+            "cache_created_tokens",
+            "cache_hit",
+            "cache_tier",
             "completion_tokens",
             "finish_reason",
             "ttft_ms",
@@ -63,6 +66,7 @@ class UsageTotalsSerializer(serializers.Serializer):
     requests = serializers.IntegerField()
     prompt_tokens = serializers.IntegerField()
     cached_tokens = serializers.IntegerField()
+    cache_created_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
 

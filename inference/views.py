@@ -144,7 +144,8 @@ class UsageView(APIView):
     """GET /v1/usage?start=&end=: the caller's tenant's requests and tokens by day and
     model (UTC dates, inclusive; default: this month so far), its limits and its counters."""
 
-    TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "cache_created_tokens",
+                    "completion_tokens")
 
     @extend_schema(
         parameters=[

@@ -12,7 +12,8 @@ from tests.conftest import bearer
 pytestmark = pytest.mark.django_db
 
 
-def row(tenant, model="m1", when=None, prompt=10, completion=5, cached=2, status="done"):
+def row(tenant, model="m1", when=None, prompt=10, completion=5, cached=2, status="done",
+        created=8):
     return InferenceRequest.objects.create(
         tenant=tenant,
         kind="chat",
@@ -21,6 +22,7 @@ def row(tenant, model="m1", when=None, prompt=10, completion=5, cached=2, status
         prompt_tokens=prompt,
         completion_tokens=completion,
         cached_tokens=cached,
+        cache_created_tokens=created,
         created=when or datetime.now(UTC),
     )
 
@@ -28,9 +30,10 @@ def row(tenant, model="m1", when=None, prompt=10, completion=5, cached=2, status
 def test_usage_groups_by_day_and_model_for_the_callers_tenant_only(api, parties):
     day1, day2 = datetime(2026, 3, 1, 10, tzinfo=UTC), datetime(2026, 3, 2, 23, 59, tzinfo=UTC)
     row(parties.a, "m1", day1)
-    row(parties.a, "m1", day1, prompt=1, completion=1, cached=0)
+    row(parties.a, "m1", day1, prompt=1, completion=1, cached=0, created=1)
     row(parties.a, "m2", day1)
-    row(parties.a, "m1", day2, prompt=None, completion=None, cached=None, status="error")
+    row(parties.a, "m1", day2, prompt=None, completion=None, cached=None, status="error",
+        created=None)
     row(parties.b, "m1", day1, prompt=1000)  # the outsider's: never counted for A
     row(parties.a, "m1", datetime(2026, 3, 3, 0, 0, tzinfo=UTC))  # after end
     reply = api.get("/v1/usage?start=2026-03-01&end=2026-03-02", **bearer(parties.member))
@@ -44,6 +47,7 @@ def test_usage_groups_by_day_and_model_for_the_callers_tenant_only(api, parties)
             "requests": 2,
             "prompt_tokens": 11,
             "cached_tokens": 2,
+            "cache_created_tokens": 9,
             "completion_tokens": 6,
             "total_tokens": 17,
         },
@@ -53,6 +57,7 @@ def test_usage_groups_by_day_and_model_for_the_callers_tenant_only(api, parties)
             "requests": 1,
             "prompt_tokens": 10,
             "cached_tokens": 2,
+            "cache_created_tokens": 8,
             "completion_tokens": 5,
             "total_tokens": 15,
         },
@@ -62,6 +67,7 @@ def test_usage_groups_by_day_and_model_for_the_callers_tenant_only(api, parties)
             "requests": 1,
             "prompt_tokens": 0,
             "cached_tokens": 0,
+            "cache_created_tokens": 0,
             "completion_tokens": 0,
             "total_tokens": 0,
         },
@@ -70,6 +76,7 @@ def test_usage_groups_by_day_and_model_for_the_callers_tenant_only(api, parties)
         "requests": 4,
         "prompt_tokens": 21,
         "cached_tokens": 4,
+        "cache_created_tokens": 17,
         "completion_tokens": 11,
         "total_tokens": 32,
     }

@@ -277,13 +277,30 @@ def decode_event(fields: dict[Any, Any]) -> tuple[str, dict[str, Any]]:
     return kind, json.loads(data)
 
 
-def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object."""
+def usage(
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    created_tokens: int = 0,
+    hit: str = "none",
+    tier: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, with the prompt cache's account in its
+    ``prompt_tokens_details``: ``cache_read_tokens`` (= ``cached_tokens``: prompt tokens read
+    from the cache instead of computed), ``cache_created_tokens`` (prompt tokens computed
+    and kept as a reusable prefix), ``cache_hit`` (exact | session | prefix | none) and
+    ``cache_tier`` (slot | cross_slot | ram | disk; null without a hit)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "cache_read_tokens": cached_tokens,
+            "cache_created_tokens": created_tokens,
+            "cache_hit": hit,
+            "cache_tier": tier,
+        },
     }
 
 

@@ -50,6 +50,9 @@ class ChoiceGroup:
             prompt_eval_rate=stats[0].prompt_eval_rate,
             generation_rate=sum(present(s.generation_rate for s in stats)) or None,
             prompt_evaluated=sum(s.prompt_tokens - s.cached_tokens for s in stats),
+            cache_tier=stats[0].cache_tier,
+            cache_created_tokens=sum(s.cache_created_tokens for s in stats),
+            cache_hit=stats[0].cache_hit,
         )
         head = failed or ends[0]
         return FinishedEvent(self.id, head.finish_reason, merged, stop=ends[0].stop,

@@ -108,6 +108,9 @@ class PrefixCache:
         self._parked: _Parked | None = None
         self.idle_to_ram = idle_to_ram and ram is not None  # without RAM it would just forget
         self.disk = disk
+        if disk is not None:  # one set of counters: the disk tier's join the scheduler's
+            counters.update(disk.counters)
+            disk.counters = counters
         self.disk_min_tokens = max(self.min_save_tokens, disk_min_tokens)
         self.writer = DiskWriter(disk, self._disk_saved) if disk is not None else None
         self._to_persist: list[tuple[Slot, int]] = []  # finished slots (and their length)
@@ -181,6 +184,7 @@ class PrefixCache:
         if best is not None:
             n = self._copy(best, slot, done, best_n)
             req.cached_tokens += n - done
+            req.cache_tier = req.cache_tier or "cross_slot"
             self._count_hit("cross_slot", n - done)
 
     def preserve(self, slot: Slot, slots: list[Slot], protect: RamEntry | None = None,

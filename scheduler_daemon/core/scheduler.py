@@ -310,8 +310,9 @@ class Scheduler:
                 del self._requests[req.id]
                 self._cancels.discard(req.id)
                 if req.slot is not None:
-                    req.slot.request, req.slot.state = None, SlotState.IDLE
-                    self._forget(req.slot)
+                    # its KV stays a cached prefix (a decode in flight commits its row to
+                    # it under this lock): the disk tier saves it at shutdown
+                    self._release(req.slot, keep_cache=req.cache_prompt)
                     self._used_blocks -= req.blocks
                     req.slot = None
                 else:
@@ -1065,6 +1066,9 @@ class Scheduler:
             generation_rate=round((len(req.output) - 1) / gen_s, 1)
             if gen_s > 0 and len(req.output) > 1
             else None,
+            cache_tier=req.cache_tier if req.cached_tokens else None,
+            cache_created_tokens=max(0, evaluated) if req.cache_prompt and started else 0,
+            cache_hit=cache_hit(req),
         )
 
     def _rollback(self, plan: TickPlan) -> None:
@@ -1138,3 +1142,16 @@ class Scheduler:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
+
+
+def cache_hit(req: RequestState) -> str:
+    """The kind of a request's cache hit: ``exact`` (every prompt token but the last, which
+    is always evaluated), ``session`` (its session's own slot kept its history), ``prefix``
+    (a part), ``none``."""
+    if req.cached_tokens <= 0:
+        return "none"
+    if req.cached_tokens >= len(req.prompt) - 1:
+        return "exact"
+    if req.session is not None and req.cache_tier == "slot":
+        return "session"
+    return "prefix"

@@ -152,6 +152,12 @@ class RequestStats:
     prompt_eval_rate: float | None  # prompt tokens evaluated per second (cached ones excluded)
     generation_rate: float | None  # generated tokens per second after the first
     prompt_evaluated: int | None = None  # prompt tokens computed (None: prompt - cached)
+    # the cache's account (wire.protocol.usage): the tier the cached tokens came from (slot,
+    # cross_slot, ram, disk; None: no hit), the prompt tokens this request added to the
+    # cache (its slot's KV, which the RAM and disk tiers then take), and the hit's kind
+    cache_tier: str | None = None
+    cache_created_tokens: int = 0
+    cache_hit: str = "none"  # exact (all but the last token) | session | prefix | none
 
 
 @dataclass(slots=True, frozen=True)

@@ -335,7 +335,8 @@ def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
     data: dict[str, Any] = {
         "finish_reason": event.finish_reason,
         "stop": event.stop,
-        "usage": protocol.usage(s.prompt_tokens, s.cached_tokens, s.completion_tokens),
+        "usage": protocol.usage(s.prompt_tokens, s.cached_tokens, s.completion_tokens,
+                                s.cache_created_tokens, s.cache_hit, s.cache_tier),
         "timings": {
             "queue_ms": s.queue_ms,
             "ttft_ms": s.ttft_ms,
