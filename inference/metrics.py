@@ -36,6 +36,7 @@ CACHE_TIERS = ("slot", "cross_slot", "ram")
 DAEMON_REFUSALS = {
     "refused_queue_full": "queue_full",
     "refused_context_length": "context_length_exceeded",
+    "refused_device_memory_budget": "device_memory_budget_exceeded",
     "refused_tenant_queue_full": "tenant_queue_full",
 }
 

@@ -153,7 +153,7 @@ def test_a_big_kv_reservation_does_not_lock_another_tenant_out(web, tenant_b):
     try:
         too_big = _chat(web, daemon.model, web.keys["owner"], max_tokens=2000)
         error = too_big.json()["error"]
-        assert too_big.status == 400 and error["code"] == "context_length_exceeded"
+        assert too_big.status == 400 and error["code"] == "device_memory_budget_exceeded"
         hog = Stream(web, daemon.model, web.keys["owner"], max_tokens=900)
         hog.start()
         assert hog.first_text.wait(180)

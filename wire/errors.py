@@ -45,7 +45,11 @@ CODES: dict[str, ErrorCode] = _codes(
     ("request_too_large", 400, "the body is larger than the web accepts"),
     ("request_timeout", 408, "the request's head or body stopped arriving (the door, nginx)"),
     ("empty_prompt", 400, "the prompt has no tokens"),
-    ("context_length_exceeded", 400, "prompt + max_tokens exceed the context (or a tenant share)"),
+    ("context_length_exceeded", 400, "prompt + max_tokens exceed the context (n_ctx; priced: "
+     "estimated_bytes, limit_bytes), or the prompt text its byte cap"),
+    ("device_memory_budget_exceeded", 400, "prompt + max_tokens fit the context but need more "
+     "KV memory than one request may reserve (the KV budget, a tenant's share); priced "
+     "(estimated_bytes, limit_bytes)"),
     ("request_quarantined", 400, "it stopped the daemon twice (an operator may release it)"),
     ("model_not_found", 400, "no such model"),
     ("invalid_api_key", 401, "no key, or not a usable one"),
@@ -87,6 +91,7 @@ INVALID_REQUEST_ERROR = "invalid_request_error"
 QUEUE_FULL = "queue_full"
 TENANT_QUEUE_FULL = "tenant_queue_full"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+DEVICE_MEMORY_BUDGET_EXCEEDED = "device_memory_budget_exceeded"
 EMPTY_PROMPT = "empty_prompt"
 CONTEXT_FULL = "context_full"
 SHUTTING_DOWN = "shutting_down"

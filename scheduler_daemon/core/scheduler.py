@@ -517,30 +517,50 @@ class Scheduler:
     # -- policy pieces (lock held) ------------------------------------------------
 
     def _max_tokens_for(self, params: SamplingParams, n_prompt: int) -> int:
+        """The tokens the request may generate, or ``Refusal`` when prompt + max_tokens can
+        never fit: past ``n_ctx``, ``context_length_exceeded``; within it but past what one
+        request may reserve of the KV block budget (``max_request_tokens``: the budget and
+        a scope's share of it), ``device_memory_budget_exceeded``. Both priced in KV bytes
+        (``kv_bytes_per_token`` x tokens). Without max_tokens: the default, cut to the room
+        left, at least one token."""
         limit = self.max_request_tokens
         room = limit - n_prompt
         wanted = (
             params.max_tokens
             if params.max_tokens is not None
-            else min(self.config.default_max_tokens, room)
+            else max(1, min(self.config.default_max_tokens, room))
         )
-        if room < 1 or n_prompt + wanted > limit:
+        needed = n_prompt + wanted
+        if needed <= limit:
+            return wanted
+        n_ctx = self.engine.n_ctx
+        per_token = self.engine.kv_bytes_per_token
+        if needed > n_ctx:
             self.counters["refused_context_length"] += 1
-            raise Refusal(
-                errors.CONTEXT_LENGTH_EXCEEDED,
-                f"this request needs {n_prompt} prompt tokens + {wanted} max_tokens = "
-                f"{n_prompt + wanted} tokens, more than the limit of {limit}"
-                + (
-                    f" (one tenant's share of the {self.engine.n_ctx}-token context)"
-                    if limit < self.engine.n_ctx
-                    else ""
-                ),
-                param="max_tokens" if room >= 1 else "prompt",
-                prompt_tokens=n_prompt,
-                max_tokens=wanted,
-                limit=limit,
-            )
-        return wanted
+            code, limit = errors.CONTEXT_LENGTH_EXCEEDED, n_ctx
+            over = f"the {n_ctx}-token context"
+            if self.max_request_tokens < n_ctx:
+                over += f" (one request may reserve at most {self.max_request_tokens} of its KV)"
+        else:
+            self.counters["refused_device_memory_budget"] += 1
+            code = errors.DEVICE_MEMORY_BUDGET_EXCEEDED
+            budget = self._total_blocks * self.config.kv_block_tokens
+            over = f"the {limit} tokens of KV memory one request may reserve (" + (
+                f"one tenant's share of the {budget}-token KV budget)"
+                if self._scope_blocks < self._total_blocks else "the KV budget)")
+        raise Refusal(
+            code,
+            f"this request needs {n_prompt} prompt tokens + {wanted} max_tokens = {needed} "
+            f"tokens of KV ({needed * per_token} bytes at {per_token} bytes a token), more "
+            f"than {over}: {limit * per_token} bytes",
+            param="max_tokens" if n_prompt < self.max_request_tokens else "prompt",
+            prompt_tokens=n_prompt,
+            max_tokens=wanted,
+            limit=limit,
+            kv_bytes_per_token=per_token,
+            estimated_bytes=needed * per_token,
+            limit_bytes=limit * per_token,
+        )
 
     def _apply_cancels(self) -> list[str]:
         """End every request cancelled since the last tick, then every one past its

@@ -157,7 +157,7 @@ def test_a_request_refused_before_it_ran_leaves_its_key_free(web, daemon):
     # refused by the daemon after it was queued (400: prompt + max_tokens over the share)
     too_long = {**body, "max_tokens": 1020}
     reply = web.request("POST", "/v1/completions", too_long, key, headers=headers)
-    assert (reply.status, reply.json()["error"]["code"]) == (400, "context_length_exceeded")
+    assert (reply.status, reply.json()["error"]["code"]) == (400, "device_memory_budget_exceeded")
     # neither kept the key: another body under it runs (not a 409), once
     ran = web.request("POST", "/v1/completions", body, key, headers=headers)
     assert ran.status == 200

@@ -198,7 +198,7 @@ def test_one_request_cannot_reserve_the_whole_kv_budget(make_daemon):
     daemon = make_daemon(N_PARALLEL="2", KV_BLOCK_TOKENS="64", KV_TENANT_SHARE="0.5").start()
     huge = daemon.enqueue(prompt="Tell me a story.", params={"max_tokens": 1900})
     _, kind, data = daemon.events(huge.id)[-1]
-    assert kind == "error" and data["code"] == "context_length_exceeded"
+    assert kind == "error" and data["code"] == "device_memory_budget_exceeded"
     assert data["limit"] == 1024  # half of N_CTX=2048
     big = daemon.enqueue(prompt="Tell me a story.", params={**LONG, "max_tokens": 900})
     daemon.wait_for(big.id, "token")

@@ -90,8 +90,8 @@ def test_refusals_carry_the_http_status_and_the_numbers(daemon, daemon_env):
     too_long = daemon.enqueue(id=too_long_id, prompt="word " * 3000, params={"max_tokens": 10})
     [(_, kind, data)] = daemon.events(too_long.id)
     assert kind == "error" and data["code"] == "context_length_exceeded" and data["status"] == 400
-    # the limit is one tenant's share of the KV budget: KV_TENANT_SHARE (0.5) of N_CTX 2048
-    assert data["limit"] == 1024 and data["prompt_tokens"] > 2048 and data["max_tokens"] == 10
+    # past N_CTX 2048 (and past one tenant's KV share, 1024): the context is the limit named
+    assert data["limit"] == 2048 and data["prompt_tokens"] > 2048 and data["max_tokens"] == 10
     assert db.row(too_long.id)["status"] == "error"
     assert db.row(too_long.id)["error_code"] == "context_length_exceeded"
     bad_grammar = daemon.enqueue(prompt="hi", params={"grammar": "root ::= (("})

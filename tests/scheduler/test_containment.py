@@ -217,7 +217,7 @@ def test_one_scope_cannot_reserve_more_than_its_kv_share(harness):
     assert h.scheduler.max_request_tokens == 512
     with pytest.raises(Refusal) as refused:
         h.scheduler.submit(req("huge", n_prompt=8, max_tokens=600))
-    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.code == "device_memory_budget_exceeded"
     h.scheduler.submit(req("a0", n_prompt=8, max_tokens=400))  # 7 of A's 8 blocks
     h.scheduler.submit(req("a1", n_prompt=8, max_tokens=100))  # would take A past its share
     h.scheduler.submit(req("b0", scope="B", n_prompt=8, max_tokens=4))

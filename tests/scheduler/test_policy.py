@@ -100,7 +100,9 @@ def test_context_length_exceeded_names_the_numbers(harness):
     with pytest.raises(Refusal) as err:
         h.scheduler.submit(req("a", 500, max_tokens=100))
     assert err.value.code == "context_length_exceeded"
-    assert err.value.details == {"prompt_tokens": 500, "max_tokens": 100, "limit": 512}
+    assert err.value.details == {"prompt_tokens": 500, "max_tokens": 100, "limit": 512,
+                                 "kv_bytes_per_token": 100, "estimated_bytes": 60_000,
+                                 "limit_bytes": 51_200}
     with pytest.raises(Refusal) as err:
         h.scheduler.submit(req("b", 600, max_tokens=None))
     assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"

@@ -11,6 +11,7 @@
     tpm_exceeded: "Too many tokens this minute", concurrency_limited: "Too many requests at once",
     budget_exceeded: "The monthly token budget is spent", scheduler_unavailable: "No scheduler serves this model",
     context_length_exceeded: "The conversation is too long for the model's context",
+    device_memory_budget_exceeded: "The conversation and max tokens need more KV memory than one request may reserve",
     model_not_found: "Unknown model",
   };
   let history = [];  // [{role, content}] of finished turns
