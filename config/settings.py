@@ -354,7 +354,7 @@ PROMPT_CACHE_RAM_MB = env_int("PROMPT_CACHE_RAM_MB", 256)
 # cells, so that its prefill attends over the running slots only (llama-server's
 # cache_idle_slots); returning sessions then restore from RAM. docs/performance.md.
 IDLE_SLOTS_TO_RAM = env_bool("IDLE_SLOTS_TO_RAM", True)
-PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 1.0)
+PROMPT_CACHE_TENANT_SHARE = env_float("PROMPT_CACHE_TENANT_SHARE", 0.5)
 # (daemon) The prompt cache's disk tier: sequence states as files under PROMPT_CACHE_DIR (a
 # folder per model and context layout, one per tenant inside it; mode 0700), at most
 # PROMPT_CACHE_DISK_MB (LRU), so that a conversation's next turn after a restart is a hit.

@@ -41,8 +41,9 @@ def test_non_streaming_chat_collects_the_tokens(web, standin):
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant",
                                                         "content": "Hello world"},
                                 "finish_reason": "stop", "logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert body["usage"] == protocol.usage(5, 3, 2)  # the daemon's, as it is
+    assert (body["usage"]["total_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            ) == (7, 3)
 
 
 def test_streamed_completion_has_ids_usage_and_done(web, standin):
@@ -58,8 +59,7 @@ def test_streamed_completion_has_ids_usage_and_done(web, standin):
     assert all(entry_id and entry_id.count("-") == 1 for entry_id, _ in events[:-1])
     assert [c["choices"][0]["text"] for c in chunks[:2]] == ["Hello", " world"]
     assert chunks[2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["prompt_tokens_details"] == {
-        "cached_tokens": 3}
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"] == protocol.usage(5, 3, 2)
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks[:3])
 
 

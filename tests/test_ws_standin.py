@@ -41,7 +41,7 @@ async def test_header_auth_and_a_streamed_chat(parties, standin):
     assert [m["type"] for m in messages] == ["accepted", "token", "token", "done"]
     assert "".join(m.get("text", "") for m in messages) == "Hello world"
     assert all(m["event_id"] and m["request_id"] == messages[0]["request_id"] for m in messages)
-    assert messages[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    assert messages[-1]["usage"] == protocol.usage(5, 3, 2)  # the daemon's, as it is
     assert messages[-1]["finish_reason"] == "stop"
     await ws.disconnect()
 

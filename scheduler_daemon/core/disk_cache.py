@@ -227,6 +227,10 @@ class DiskCache:
                     raise Corrupt("truncated data")
                 if zlib.crc32(data) != header.data_crc:
                     raise Corrupt("data checksum")
+        except FileNotFoundError:  # another daemon sharing the folder evicted it
+            self.counters["disk_missing"] += 1
+            self.forget(entry)
+            return None
         except (OSError, Corrupt) as e:
             self._corrupt(path, e)
             self.forget(entry)

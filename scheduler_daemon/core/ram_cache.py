@@ -46,7 +46,11 @@ class RamEntry:
 
 
 class RamCache:
-    """LRU of saved sequence states within ``budget_bytes``; one scope holds at most its share.
+    """LRU of saved sequence states within ``budget_bytes``; one scope holds at most its share
+    (``tenant_share`` of the budget) while another scope holds entries too: a lone tenant may
+    use the whole budget, and once another arrives the first one's entries past its share
+    are the ones that go when it saves more (a tenant flooding distinct prompts cannot push
+    out another's warm conversation).
 
     ``partial_max_tokens`` > 0 (a sliding-window model): an entry longer than that keeps
     only the last window of its SWA layers, so it can be restored whole but not cut shorter.
@@ -106,7 +110,12 @@ class RamCache:
 
     def fits(self, cache_scope: str, size_bytes: int) -> bool:
         """Whether an entry this large may be stored at all (after evicting others)."""
-        return size_bytes <= self.budget_bytes and size_bytes <= self.scope_limit_bytes
+        return size_bytes <= self.budget_bytes and size_bytes <= self._scope_limit(cache_scope)
+
+    def _scope_limit(self, cache_scope: str) -> int:
+        """The scope's share while another scope holds entries; else the whole budget."""
+        alone = all(scope == cache_scope for scope in self._scope_bytes)
+        return self.budget_bytes if alone else self.scope_limit_bytes
 
     def make_room(
         self, cache_scope: str, tokens: list[int], size_bytes: int, protect: RamEntry | None = None,
@@ -125,7 +134,8 @@ class RamCache:
         for scoped in (True, False):
             for e in list(self._entries.values()):
                 if scoped:
-                    over = self.scope_bytes(cache_scope) + size_bytes > self.scope_limit_bytes
+                    limit = self._scope_limit(cache_scope)
+                    over = self.scope_bytes(cache_scope) + size_bytes > limit
                 else:
                     over = self.total_bytes + size_bytes > self.budget_bytes
                 if not over:
@@ -135,7 +145,7 @@ class RamCache:
                     evicted.append(self._remove(e))
         room = (
             self.total_bytes + size_bytes <= self.budget_bytes
-            and self.scope_bytes(cache_scope) + size_bytes <= self.scope_limit_bytes
+            and self.scope_bytes(cache_scope) + size_bytes <= self._scope_limit(cache_scope)
         )
         return evicted, room
 

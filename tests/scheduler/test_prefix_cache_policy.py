@@ -281,6 +281,26 @@ def test_one_scope_cannot_evict_another_beyond_its_share(harness):
     assert ram.total_bytes <= budget
 
 
+def test_a_lone_tenant_may_fill_the_cache_and_gives_back_past_its_share_once_another_comes():
+    ram = RamCache(1000, tenant_share=0.5)
+    for i in range(4):  # alone: the whole budget
+        assert ram.fits("flood", 250)
+        evicted, room = ram.make_room("flood", [i], 250)
+        assert room and not evicted
+        ram.add("flood", [i], object(), 250, now=float(i))
+    assert ram.scope_bytes("flood") == 1000
+    evicted, room = ram.make_room("warm", [100], 250)  # another tenant: the global LRU goes
+    assert room and [e.tokens for e in evicted] == [[0]]
+    ram.add("warm", [100], object(), 250, now=10.0)
+    for i in range(4, 10):  # the flood goes on: now past its share it evicts its own
+        evicted, room = ram.make_room("flood", [i], 250)
+        assert room and all(e.cache_scope == "flood" for e in evicted)
+        ram.add("flood", [i], object(), 250, now=float(i + 10))
+        assert ram.scope_bytes("flood") <= 500
+    assert ram.lookup("warm", [100, 1], limit=1)[1] == 1  # the warm conversation survived
+    assert not ram.fits("flood", 600)  # past its share, while warm holds entries
+
+
 def test_ram_cache_keeps_one_entry_per_prefix_chain():
     ram = RamCache(10_000)
     ram.make_room("a", [1, 2, 3], 100)
