@@ -374,6 +374,9 @@ EMBEDDINGS = env_bool("EMBEDDINGS", True)
 # yet embedded); a job past it is refused 429 tenant_queue_full (docs/api.md).
 EMBEDDINGS_TENANT_TOKENS = env_int("EMBEDDINGS_TENANT_TOKENS", 65_536)
 
+# (daemon) Its telemetry (JSON lines on stderr, docs/observability.md) has at most one
+# `tick` line per this many seconds; 0: every tick.
+TELEMETRY_TICK_S = env_float("TELEMETRY_TICK_S", 1.0)
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO").upper()
 LOGGING = {
     "version": 1,

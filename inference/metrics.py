@@ -2,8 +2,9 @@
 
 Two sources, read at scrape time or kept here:
 - every live daemon's published snapshot (``broker.live_daemons_sync()``): its counters
-  since it started (labelled by daemon, so a restart is an ordinary counter reset), its
-  queue, slots, KV blocks and RAM prompt cache;
+  since it started (labelled by daemon, so a restart is an ordinary counter reset; every
+  one of them as ``llm_daemon_counter_total{name}``, the main ones also in families of
+  their own), its queue, slots, KV blocks and RAM prompt cache;
 - this web process: TTFT and end-to-end latency histograms, observed when a request it
   submitted ends (per process: each web process exports its own), and the limit refusals
   of every web process (a Redis hash written by the admission script).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +41,10 @@ DAEMON_REFUSALS = {
     "refused_device_memory_budget": "device_memory_budget_exceeded",
     "refused_tenant_queue_full": "tenant_queue_full",
 }
+
+# a daemon counter's name as the code spells it (a snapshot is the daemon's, never a tenant's
+# text, but a name past this shape is not exported: the label set stays bounded)
+COUNTER_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 TTFT = Histogram(
@@ -167,6 +173,10 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
     kv_pressure = CounterMetricFamily(
         "llm_kv_pressure_events", "llama_decode found the KV cache full.", labels=labels
     )
+    every_counter = CounterMetricFamily(
+        "llm_daemon_counter", "Every counter a daemon keeps (scheduler, prefix cache tiers), "
+        "by name, since it started (docs/observability.md lists them).",
+        labels=[*labels, "name"])
     queue = GaugeMetricFamily("llm_queue_depth", "Requests waiting for a slot.", labels=labels)
     active = GaugeMetricFamily("llm_active_slots", "Slots serving a request.", labels=labels)
     slots = GaugeMetricFamily("llm_slots", "Slots (parallel sequences).", labels=labels)
@@ -198,6 +208,8 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         for name, value in counters.items():
             if name.startswith("finished_"):
                 finished.add_metric([*key, name.removeprefix("finished_")], value)
+            if isinstance(name, str) and COUNTER_NAME.fullmatch(name):
+                every_counter.add_metric([*key, name], value)
         for kind, family in tokens.items():
             family.add_metric(key, counters.get(f"{kind}_tokens", 0))
         lookups.add_metric(key, counters.get("cache_lookups", 0))
@@ -238,6 +250,7 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         rejected,
         request_failures,
         kv_pressure,
+        every_counter,
         queue,
         active,
         slots,

@@ -175,6 +175,8 @@ class Scheduler:
         self._kv_forgets: list[int] = []
         self.counters: Counter[str] = Counter()
         self.on_cache_event = on_cache_event  # may be set later; runs with the lock held
+        # telemetry of KV pressure: (tick, retry, remedy, batch tokens, next batch tokens)
+        self.on_kv_pressure: Callable[[int, int, str, int, int], None] | None = None
         ram = None
         if config.ram_cache_bytes > 0:
             ram = RamCache(
@@ -501,8 +503,13 @@ class Scheduler:
                     budget = max(1, plan.n_tokens // 2)
                     log.info("KV cache full: retrying with a batch of %d tokens", budget)
                 else:
+                    if self.on_kv_pressure is not None:
+                        self.on_kv_pressure(plan.tick, retries, "fail_largest", plan.n_tokens, 0)
                     self._fail_largest()
                     return None
+                if self.on_kv_pressure is not None:
+                    remedy = "purge_idle" if budget == plan.token_budget else "halve_batch"
+                    self.on_kv_pressure(plan.tick, retries, remedy, plan.n_tokens, budget)
                 plan = self._replan(plan, budget)
                 if self._cancels & self._in_flight:  # a cancel arrived during the decode
                     self._in_flight, self.tick_rows = set(), []

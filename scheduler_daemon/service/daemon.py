@@ -10,6 +10,9 @@ PAUSING/PAUSED -> DRAINING -> STOPPING -> STOPPED). Threads, besides the core's 
 - ``heartbeat.py``: the snapshot every second;
 - ``watch.py``: watched requests nobody follows any more cancelled after the resume grace.
 
+``telemetry.py`` hooks into the core (ticks, KV pressure, the prefix cache, ends) and logs
+its events as JSON lines.
+
 The wire (keys, message shapes) is ``wire/protocol.py``; docs/daemon.md tells the story.
 """
 
@@ -36,6 +39,7 @@ from .event_writer import EventWriter
 from .heartbeat import Heartbeat
 from .history import HistorySink
 from .intake import Intake
+from .telemetry import Telemetry
 from .watch import Watch
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ class SchedulerDaemon:
         capacity: int | None = None,
         queue_allowance: tuple[int, int] | None = None,
         run_info: dict[str, Any] | None = None,
+        telemetry_tick_s: float = 1.0,
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
@@ -65,14 +70,18 @@ class SchedulerDaemon:
         (its slots plus its local queue; default: ``intake.PREPARE_QUEUE_MAX``).
         ``queue_allowance``: what it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT;
         default: the core's queue caps). ``run_info``: what the supervisor said of this run
-        (restarts, how the last run ended), published in the snapshot."""
+        (restarts, how the last run ended), published in the snapshot.
+        ``telemetry_tick_s``: at most one ``tick`` telemetry line per this many seconds."""
         self.core = core
         self.redis = client
         self.model = model
         self.daemon_id = daemon_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.ctx = ctx = DaemonContext(client, model, self.daemon_id)
         self.lifecycle = ctx.lifecycle
-        self.writer = EventWriter(ctx, history, stream_interval_s)
+        self.telemetry = Telemetry(self.daemon_id, model, telemetry_tick_s,
+                                   cache_entries=self._cache_entries)
+        self.writer = EventWriter(ctx, history, stream_interval_s, self.telemetry)
+        self.telemetry.tenant_of = self.writer.tenant_of
         self.intake = Intake(
             ctx, core, self.writer, **({} if capacity is None else {"capacity": capacity})
         )
@@ -91,6 +100,24 @@ class SchedulerDaemon:
         self._threads: dict[str, threading.Thread] = {}
         core.listeners.append(self.writer.on_event)
         core.tick_listeners.append(lambda _stats: self.writer.wake())
+        self._hook_telemetry()
+
+    def _hook_telemetry(self) -> None:
+        scheduler, telemetry = self.core.scheduler, self.telemetry
+        scheduler.on_cache_event = telemetry.on_cache_event
+        scheduler.on_kv_pressure = telemetry.on_kv_pressure
+        self.core.listeners.append(telemetry.on_event)
+        self.core.tick_listeners.append(
+            lambda stats: telemetry.on_tick(stats, scheduler.last_plan))
+
+    def _cache_entries(self, tier: str) -> int | None:
+        """A tier's entry count, read without its lock (any thread: a length is atomic)."""
+        cache = self.core.scheduler.cache
+        if tier == "ram":
+            return len(cache.ram) if cache.ram is not None else None
+        if tier == "disk":
+            return len(cache.disk.index) if cache.disk is not None else None
+        return None
 
     @property
     def state(self) -> State:

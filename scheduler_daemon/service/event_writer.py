@@ -16,7 +16,6 @@ events go back to the front of the buffer for the next flush.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -31,9 +30,9 @@ from wire.backoff import Backoff
 from ..core.state import Event, FinishedEvent, TokenEvent
 from .context import DaemonContext
 from .history import HistorySink, NoHistory
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-request_log = logging.getLogger("scheduler_daemon.requests")  # one JSON line per finished request
 
 
 @dataclass(slots=True)
@@ -64,14 +63,17 @@ class EventWriter:
         ctx: DaemonContext,
         history: HistorySink | None = None,
         stream_interval_s: float = 0.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """``stream_interval_s`` (STREAM_INTERVAL_MS): a request's later tokens are written at
-        most this often, several to one event. 0: every tick's tokens at the end of the tick."""
+        most this often, several to one event. 0: every tick's tokens at the end of the tick.
+        ``telemetry``: where each written end is reported (the request log)."""
         self.redis = ctx.redis
         self.model = ctx.model
         self.daemon_id = ctx.daemon_id
         self.lifecycle = ctx.lifecycle
         self.history: HistorySink = history or NoHistory()
+        self.telemetry = telemetry or Telemetry(ctx.daemon_id, ctx.model)
         self.stream_interval_s = stream_interval_s
         self.jobs_stream = ctx.jobs_stream
         self.load_key = ctx.load_key
@@ -307,26 +309,15 @@ class EventWriter:
             log.exception("the history sink failed for %s; its events go out anyway", request_id)
 
     def _log_end(self, item: Outgoing) -> None:
-        usage = item.data.get("usage") or {}
-        timings = item.data.get("timings") or {}
-        line = {
-            "event": "request_end",
-            "request_id": item.request_id,
-            "tenant_id": self._tenants.pop(item.request_id, None),
-            "model": self.model,
-            "daemon_id": self.daemon_id,
-            "finish_reason": item.data.get("finish_reason", "error"),
-            "error_code": item.data.get("code"),
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "ttft_ms": timings.get("ttft_ms"),
-            "duration_ms": timings.get("duration_ms"),
-        }
-        if item.data.get("resumed"):
-            line["resumed"] = item.data["resumed"]
+        """The request log: its end as telemetry (``request.done`` or ``request.exception``),
+        once its events are written."""
+        tenant_id = self._tenants.pop(item.request_id, None)
         self._forget(item.request_id)
-        request_log.info(json.dumps(line, separators=(",", ":")))
+        self.telemetry.request_end(item.request_id, item.kind, item.data, tenant_id)
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """The tenant of a request started here and not yet ended (any thread)."""
+        return self._tenants.get(request_id)
 
 
 def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:

@@ -123,7 +123,7 @@ def test_failures_are_counted_by_reason_and_a_malformed_entry_is_dropped(daemon)
 
 
 def test_a_grammar_error_never_writes_client_text_to_the_log(daemon):
-    forged = json.dumps({"event": "request_end", "request_id": "forged"})
+    forged = json.dumps({"event": "request.done", "request_id": "forged"})
     job = daemon.enqueue(prompt="x", params={"grammar": f'root ::= "a" )\n{forged}\n'})
     assert daemon.events(job.id)[-1][2]["code"] == "invalid_request_error"
     assert forged not in daemon.log_path.read_text(errors="replace")

@@ -47,11 +47,11 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert row["prompt_tokens"] == 6 and row["ttft_ms"] > 0 and row["finished"]
     pending = daemon.redis.xpending(protocol.jobs_stream(daemon.model), protocol.JOBS_GROUP)
     assert pending["pending"] == 0  # acknowledged once its last event was written
-    wait_log(daemon, "request_end")  # logged after the events' pipeline: it may trail the done
+    wait_log(daemon, "request.done")  # logged after the events' pipeline: it may trail the done
     [line] = [
-        json.loads(line.split("scheduler_daemon.requests: ", 1)[1])
+        json.loads(line)
         for line in daemon.log_path.read_text().splitlines()
-        if request_id in line and "request_end" in line
+        if request_id in line and '"request.done"' in line
     ]
     assert line["tenant_id"] == "1" and line["completion_tokens"] == usage["completion_tokens"]
     assert line["finish_reason"] == done["finish_reason"] and line["ttft_ms"] > 0
@@ -175,9 +175,9 @@ def test_sigterm_drains_and_exits_cleanly(make_daemon):
     _, kind, done = daemon.events(job.id, timeout_s=5)[-1]
     assert (kind, done["finish_reason"]) == ("done", "length")
     assert done["usage"]["completion_tokens"] == 300  # it ran to its end, not cancelled
-    wait_log(daemon, "request_end")
+    wait_log(daemon, "request.done")
     log = daemon.log_path.read_text()
-    [end_line] = [i for i, line in enumerate(log.splitlines()) if "request_end" in line
+    [end_line] = [i for i, line in enumerate(log.splitlines()) if "request.done" in line
                   and job.id in line]
     drain_line = next(i for i, line in enumerate(log.splitlines()) if "-> DRAINING" in line)
     assert drain_line < end_line  # the drain began while the request ran

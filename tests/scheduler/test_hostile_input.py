@@ -99,7 +99,7 @@ def test_llama_logs_are_escaped_so_client_text_cannot_forge_a_line(caplog):
     from scheduler_daemon.llama.logs import _LlamaLogSink
 
     sink = _LlamaLogSink()
-    forged = '{"event":"request_end","request_id":"forged"}'
+    forged = '{"event":"request.done","request_id":"forged"}'
     with caplog.at_level(logging.DEBUG, logger="llama_cpp"):
         sink(4, f'parse: error parsing grammar\n{forged}\n'.encode(), None)
     lines = [r.getMessage() for r in caplog.records]

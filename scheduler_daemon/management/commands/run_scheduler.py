@@ -27,6 +27,7 @@ from scheduler_daemon.core.inference import InferenceCore
 from scheduler_daemon.core.liveness import LoopClock
 from scheduler_daemon.service.daemon import SchedulerDaemon
 from scheduler_daemon.service.supervisor import supervise
+from scheduler_daemon.service.telemetry import install_handler, stop_listener
 from wire import protocol
 
 log = logging.getLogger("scheduler_daemon.run")
@@ -50,6 +51,7 @@ CONFIG_SETTINGS = (
     "LOCAL_QUEUE",
     "TICK_DEADLINE_S",
     "SAMPLER_DEADLINE_S",
+    "TELEMETRY_TICK_S",
 )
 
 # Test-only (FAULT_INJECTION): a job whose prompt holds this aborts the process at the loop's
@@ -143,6 +145,14 @@ class Command(BaseCommand):
             if status != 0:
                 raise CommandError(f"the supervised daemon ended with status {status}")
             return
+        # telemetry: JSON lines alone on stderr, written from a thread of their own
+        telemetry = install_handler()
+        try:
+            self._serve(options)
+        finally:
+            stop_listener(telemetry)
+
+    def _serve(self, options: dict[str, Any]) -> None:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: stop.set())
@@ -181,6 +191,7 @@ class Command(BaseCommand):
             queue_allowance=(settings.MAX_QUEUE, settings.MAX_QUEUE_PER_TENANT),
             run_info={"restarts": int(os.environ.get("DAEMON_RESTARTS") or 0),
                       "last_exit": os.environ.get("DAEMON_LAST_EXIT") or None},
+            telemetry_tick_s=settings.TELEMETRY_TICK_S,
         )
         if settings.FAULT_INJECTION:  # the test-only hooks, never in a production run
             abort_when_marked(daemon)
