@@ -142,8 +142,9 @@ class HistoryDb:
         mark = self.database.placeholder
         self._execute(
             "INSERT INTO inference_inferencerequest (id, tenant_id, kind, model, status, "
-            "session, finish_reason, error_code, created) "
-            f"VALUES ({mark}, 1, 'completion', 'm', 'queued', '', '', '', CURRENT_TIMESTAMP)",
+            "session, finish_reason, error_code, cache_hit, cache_tier, created) "
+            f"VALUES ({mark}, 1, 'completion', 'm', 'queued', '', '', '', '', '', "
+            "CURRENT_TIMESTAMP)",
             (self._key(request_id),),
         )
 

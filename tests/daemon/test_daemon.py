@@ -36,7 +36,9 @@ def test_a_job_streams_accepted_then_tokens_then_done(daemon, daemon_env):
     assert text and done["finish_reason"] in ("stop", "length")
     usage = done["usage"]
     assert usage["completion_tokens"] == sum(d["n_tokens"] for _, k, d in events if k == "token")
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {  # nothing cached yet; all 6 kept for reuse
+        "cached_tokens": 0, "cache_read_tokens": 0, "cache_created_tokens": 6,
+        "cache_hit": "none", "cache_tier": None}
     ids = [entry_id for entry_id, _, _ in events]
     assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))  # resumable order
     assert (
