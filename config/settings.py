@@ -239,6 +239,11 @@ REQUEST_TIMEOUT_S = env_float("REQUEST_TIMEOUT_S", 600.0)
 STREAM_RETENTION_S = env_int("STREAM_RETENTION_S", 600)
 RECOVERY_TIMEOUT_S = env_float("RECOVERY_TIMEOUT_S", 60.0)
 RESUME_GRACE_S = env_float("RESUME_GRACE_S", 10.0)
+# Sessions that continue (wire/sessions.py): a client sends only its new turn
+# ("continue": true) and the service holds the conversation's tokens this long after its
+# last turn; a tenant holds at most SESSIONS_PER_TENANT of them (docs/api.md, "Sessions").
+SESSION_TTL_S = env_int("SESSION_TTL_S", 3600)
+SESSIONS_PER_TENANT = env_int("SESSIONS_PER_TENANT", 1000)
 # Each web process's Redis (inference/broker.py): the pool's size (its stream reader has a
 # connection of its own), how many streams/resumes may be read at once (past it: 503
 # service_unavailable), how long a command waits for a connection.

@@ -76,7 +76,7 @@ def _completion_schema(kind: str) -> Any:
         responses={
             (200, "application/json"): ChatCompletionSerializer if chat else CompletionSerializer,
             (200, SSE_MEDIA_TYPE): SSE,
-            **error_responses(400, 401, 405, 409, 429, 500, 503, 504),
+            **error_responses(400, 401, 404, 405, 409, 429, 500, 503, 504),
         },
     )
 
@@ -97,7 +97,7 @@ class CompletionView(APIView):
                                                   idempotency.body_digest(self.kind, body))
         formatter = Formatter(self.kind, submission.request_id, submission.model,
                               submission.created, parsed.include_usage, parsed.tool_plan,
-                              parsed.choices)
+                              parsed.choices, parsed.session_id)
         replay = submission if isinstance(submission, idempotency.Replay) else None
         if parsed.stream:
             return _sse_response(formatter, replay.events() if replay else
@@ -274,3 +274,28 @@ async def _sse(formatter: Formatter,
                 yield frames
         if not ended:
             yield DONE_FRAME
+
+
+class SessionView(APIView):
+    """GET or DELETE /v1/sessions/<id>: one of the tenant's sessions (docs/api.md,
+    "Sessions"); another tenant's, an unknown or an expired one is 404 ``no_session``."""
+
+    @extend_schema(
+        operation_id="sessions_retrieve",
+        summary="A session: its model, turns, tokens held and expiry",
+        tags=["sessions"],
+        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 404, 405, 429, 503)},
+    )
+    async def get(self, request: Request, session_id: str) -> JsonResponse:
+        found = await service.session_info(request.auth, session_id)
+        return JsonResponse({"object": "session", "id": session_id, **found})
+
+    @extend_schema(
+        operation_id="sessions_destroy",
+        summary="Delete a session (its next turn must send the full history)",
+        tags=["sessions"],
+        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 404, 405, 429, 503)},
+    )
+    async def delete(self, request: Request, session_id: str) -> JsonResponse:
+        await service.delete_session(request.auth, session_id)
+        return JsonResponse({"object": "session.deleted", "id": session_id, "deleted": True})

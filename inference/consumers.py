@@ -283,13 +283,15 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
     async def _request(self, client_id: Any, run: _Running, kind: str,
                        content: dict[str, Any]) -> None:
         body = {k: v for k, v in content.items() if k not in _ENVELOPE}
-        queued = await service.enqueue(self.api_key, parse_request(kind, body))
+        parsed = parse_request(kind, body)
+        queued = await service.enqueue(self.api_key, parsed)
         try:  # its reader's place, held from the enqueue to the end of its events
             run.request_id = queued.request_id
             if run.cancel_requested:
                 await broker.publish_cancel(queued.request_id)
             submission = await service.answer(queued)
-            await self._relay(client_id, queued.request_id, service.events(submission))
+            await self._relay(client_id, queued.request_id, service.events(submission),
+                              parsed.session_id)
         finally:
             queued.release()
 
@@ -307,7 +309,9 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             await events.aclose()
 
     async def _relay(self, client_id: Any, request_id: str,
-                     events: AsyncIterator[StreamEvent | None]) -> None:
+                     events: AsyncIterator[StreamEvent | None],
+                     session_id: str | None = None) -> None:
+        """``session_id``: a session's turn (its accepted and last messages name it)."""
         async with service.CancelIfAbandoned(request_id) as guard, aclosing(events) as stream:
             async for event in stream:
                 if event is not None:
@@ -316,7 +320,11 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                         run = self.running.get(client_id)
                         if run is not None:
                             run.ended = True
-                    await self.send_json(_message(client_id, request_id, event))
+                    message = _message(client_id, request_id, event)
+                    if session_id is not None and (event.is_terminal
+                                                   or event.kind == protocol.ACCEPTED):
+                        message["session_id"] = session_id
+                    await self.send_json(message)
 
     async def _cancel(self, client_id: Any) -> None:
         run = self.running.get(client_id)

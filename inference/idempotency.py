@@ -30,7 +30,7 @@ from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
-from wire import errors, protocol
+from wire import errors, protocol, sessions
 from wire.scripts import lua
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,11 @@ async def submit(api_key: ApiKey, parsed: ParsedRequest, key: str,
     tenant_id = str(api_key.tenant_id)
     for _ in range(CLAIM_TRIES):
         claim = await _claim(tenant_id, key, body)
+        if parsed.session_mode == "new":  # its retries name the session its first run made
+            made = sessions.id_for_request(settings.SECRET_KEY, tenant_id, claim.request_id)
+            if parsed.session == parsed.session_id:
+                parsed.session = made
+            parsed.session_id = made
         if claim.won:
             parsed.request_id, parsed.retention_s = claim.request_id, protocol.IDEMPOTENCY_TTL_S
             try:

@@ -36,6 +36,7 @@ class Formatter:
     include_usage: bool = False
     tools: ToolPlan | None = None  # a chat with tools: its output is read as a call
     n: int = 1
+    session_id: str | None = None  # a session's turn: every body and chunk names it
     # completions' text_offset runs on across a stream's chunks, per choice
     _offset: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     # a tools reply's text, held until its end (a call is sent whole)
@@ -129,6 +130,8 @@ class Formatter:
         else:
             kind = "text_completion"
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        if self.session_id is not None:
+            head["session_id"] = self.session_id
         if not whole and self.include_usage:
             head["usage"] = None
         return head

@@ -23,8 +23,8 @@ from django.conf import settings
 
 from inference import tools
 from inference.errors import ApiError, invalid
-from wire import affinity, protocol
-from wire.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameter
+from wire import affinity, protocol, sessions
+from wire.errors import CONTEXT_LENGTH_EXCEEDED, NO_SESSION, InvalidParameter
 from wire.messages import parse_messages
 from wire.sampling import FIELD_NAMES, RANGES, SamplingParams, require_text
 
@@ -37,7 +37,7 @@ MAX_JSON_DEPTH = 64
 
 _COMMON = {
     "model", "stream", "stream_options", "n", "max_completion_tokens", "response_format",
-    "cache_prompt", "session", "user", "cache_scope", "timeout",
+    "cache_prompt", "session", "user", "cache_scope", "timeout", "session_id", "continue",
 } | FIELD_NAMES
 
 
@@ -98,6 +98,10 @@ class ParsedRequest:
     echo: bool = False  # a completion's prompt text first in its reply
     n: int = 1  # choices (prefilled once, sampled n ways)
     prompts: list[str | list[int]] | None = None  # a completion's several prompts
+    # a session's turn (wire/sessions.py): its id, and how it begins: "new" (made now),
+    # "continue" (prompt/messages are only the new turn), "reset" (a full history)
+    session_id: str | None = None
+    session_mode: str | None = None
 
     @property
     def choices(self) -> int:
@@ -120,6 +124,8 @@ class ParsedRequest:
             echo=self.echo,
             n=self.n,
             prompts=self.prompts,
+            session_id=self.session_id,
+            continue_session=self.session_mode == "continue",
             **self._routing(tenant_id),
         )
 
@@ -230,7 +236,45 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         # the grammar every reply follows (bounds checked by tools.plan, compiled by the daemon)
         parsed.params["json_schema"] = parsed.tool_plan.schema
     parsed.timeout_s = _timeout(body.get("timeout"))
+    _session_turn(parsed, body)
     return parsed
+
+
+def _session_turn(parsed: ParsedRequest, body: dict[str, Any]) -> None:
+    """``session_id`` and ``continue`` (docs/api.md, "Sessions"): ``"new"`` opens a session,
+    an id with ``continue: true`` sends only the new turn, an id without it a full history
+    that replaces the session's. A string that is no id of ours is no session (404)."""
+    session_id, cont = body.get("session_id"), _bool(body, "continue", False)
+    if session_id is None:
+        if cont:
+            raise invalid("continue", "continue needs a session_id.")
+        return
+    if not isinstance(session_id, str):
+        raise invalid("session_id", 'session_id must be a string: "new" or a session\'s id.')
+    if session_id == "new":
+        if cont:
+            raise invalid("continue", 'A new session has nothing to continue: send '
+                                      '"continue": false with the full history.')
+        parsed.session_id, parsed.session_mode = sessions.new_id(), "new"
+    elif not sessions.is_id(session_id):
+        raise ApiError(NO_SESSION, "No such session: send the full history with "
+                                   '"session_id": "new".', param="session_id")
+    else:
+        parsed.session_id, parsed.session_mode = session_id, "continue" if cont else "reset"
+    if parsed.choices > 1:
+        raise invalid("n", "A session's turn has one choice.", "unsupported_parameter")
+    if parsed.tool_plan is not None:
+        raise invalid("tools", "Sessions with tools are not built here; send the full "
+                               "history without session_id.", "unsupported_parameter")
+    if parsed.session_mode == "continue":
+        if parsed.echo:
+            raise invalid("echo", "echo cannot be combined with continue.",
+                          "unsupported_parameter")
+        if parsed.kind == COMPLETION and not (isinstance(parsed.prompt, str) and parsed.prompt):
+            raise invalid("prompt", "A continued completion's prompt is the new text (a "
+                                    "non-empty string).")
+    if not parsed.session:  # its turns go to the daemon and slot that hold it
+        parsed.session = parsed.session_id
 
 
 TOKENIZE = protocol.TOKENIZE_KIND

@@ -138,6 +138,12 @@ class CommonRequestSerializer(serializers.Serializer):
     session = serializers.CharField(required=False, allow_null=True, max_length=200,
                                     help_text="keeps a conversation on one slot (prefix cache)")
     user = serializers.CharField(required=False, help_text="taken as the session when none")
+    session_id = serializers.CharField(
+        required=False, max_length=64,
+        help_text='"new" opens a session; its id (returned as session_id) continues it '
+                  "(docs/api.md, Sessions)")
+    locals()["continue"] = serializers.BooleanField(  # a keyword: named through locals()
+        required=False, help_text="with session_id: prompt/messages are only the new turn")
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1,
                                  max_value=protocol.MAX_CHOICES,
                                  help_text="choices: the prompt prefilled once, sampled n ways")
@@ -262,6 +268,8 @@ class ReplySerializer(serializers.Serializer):
     created = serializers.IntegerField()
     model = serializers.CharField()
     usage = TokenUsageSerializer()
+    session_id = serializers.CharField(required=False,
+                                       help_text="a session's turn: the session (docs/api.md)")
 
 
 class ChatCompletionSerializer(ReplySerializer):

@@ -28,7 +28,7 @@ from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
-from wire import errors, ownership, protocol
+from wire import errors, ownership, protocol, sessions
 from wire.errors import SERVICE_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -153,13 +153,20 @@ class Admission:
         self.request_id = request_id
         self._creation: asyncio.Future[InferenceRequest] | None = None
         self._done = False  # queued, or given back: nothing (more) to give back
+        self._session_begun = False  # a session's turn marked busy (or made) for it
 
     async def __aenter__(self) -> Admission:
+        history_tokens = 0
         try:
+            if self.parsed.session_id is not None:  # the session's turn first: 404, 409, 429
+                self._session_begun = True
+                history_tokens = await _begin_turn(self.api_key, self.parsed, self.request_id)
             await limits.admit_key(self.api_key, self.request_id,
-                                   reserve=_reservation(self.parsed), model=self.parsed.model)
+                                   reserve=_reservation(self.parsed) + history_tokens,
+                                   model=self.parsed.model)
         except ApiError:
-            raise  # refused: the script counted nothing (but the refusal)
+            await self._end_turn()  # refused: the script counted nothing (but the refusal)
+            raise
         except BaseException as exc:  # the script may have run: its reply may be all we lost
             await self._roll_back(exc)
             if isinstance(exc, redis.RedisError):
@@ -202,6 +209,23 @@ class Admission:
         finally:
             await limits.release_soon(tenant_id, request_id)
             await broker.unadmit(self.parsed.model, str(tenant_id), request_id)
+            await self._end_turn()
+
+    async def _end_turn(self) -> None:
+        """The session's turn ends unchanged (never raises: a turn whose end is lost stays
+        busy until its deadline passes)."""
+        if not self._session_begun:
+            return
+        self._session_begun = False
+        parsed = self.parsed
+        try:
+            keys, args = sessions.end_args(parsed.session_id, str(self.api_key.tenant_id),
+                                           self.request_id, b"", settings.SESSION_TTL_S,
+                                           time.time())
+            await broker.async_client().eval(sessions.END, len(keys), *keys, *args)
+        except redis.RedisError as exc:
+            log.warning("could not end session %s's turn %s: %r", parsed.session_id,
+                        self.request_id, exc)
 
     async def _row_made(self) -> bool:
         """Whether ``record`` made the row (waiting for a creation its caller left)."""
@@ -213,6 +237,70 @@ class Admission:
         except BaseException:
             return False
         return True
+
+
+async def session_info(api_key: ApiKey, session_id: str) -> dict[str, Any]:
+    """A session of the key's tenant: model, turns, tokens held, whether a turn runs, and
+    when it expires (unix s). ApiError 404 ``no_session``."""
+    if sessions.is_id(session_id):
+        try:
+            client = broker.async_client()
+            pipe = client.pipeline(transaction=False)
+            pipe.hmget(sessions.key(session_id), "tenant", "model", "turns", "n_tokens", "busy")
+            pipe.ttl(sessions.key(session_id))
+            (tenant, model, turns, n_tokens, busy), ttl = await pipe.execute()
+        except redis.RedisError as exc:
+            raise _redis_unavailable(exc) from exc
+        if tenant is not None and protocol.as_text(tenant) == str(api_key.tenant_id):
+            return {"model": protocol.as_text(model), "turns": int(turns or 0),
+                    "tokens": int(n_tokens or 0), "busy": bool(busy),
+                    "expires_at": int(time.time() + max(0, ttl))}
+    raise ApiError(errors.NO_SESSION, "No such session.", param="session_id")
+
+
+async def delete_session(api_key: ApiKey, session_id: str) -> None:
+    """Delete a session of the key's tenant (a turn running keeps running; its end saves
+    nothing). ApiError 404 ``no_session``."""
+    if sessions.is_id(session_id):
+        tenant = str(api_key.tenant_id)
+        keys = [sessions.key(session_id), sessions.tenant_key(tenant)]
+        try:
+            deleted = await broker.async_client().eval(sessions.DELETE, len(keys), *keys,
+                                                       tenant, session_id)
+        except redis.RedisError as exc:
+            raise _redis_unavailable(exc) from exc
+        if deleted:
+            return
+    raise ApiError(errors.NO_SESSION, "No such session.", param="session_id")
+
+
+async def _begin_turn(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> int:
+    """Begin a session's turn (wire/sessions.py BEGIN); returns the tokens the session
+    holds (a continued turn adds them to its reservation). ApiError 404 ``no_session``, 409
+    ``session_busy``, 429 ``too_many_sessions``, 400 ``session_model_mismatch``."""
+    tenant = str(api_key.tenant_id)
+    now = time.time()
+    timeout_s = parsed.timeout_s or settings.REQUEST_TIMEOUT_S
+    keys = [sessions.key(parsed.session_id), sessions.tenant_key(tenant)]
+    args = [parsed.session_mode, parsed.session_id, tenant, parsed.model, request_id,
+            now + timeout_s + settings.ACCEPT_TIMEOUT_S + sessions.BUSY_MARGIN_S,
+            settings.SESSION_TTL_S, settings.SESSIONS_PER_TENANT, now]
+    reply = await broker.async_client().eval(sessions.BEGIN, len(keys), *keys, *args)
+    outcome = protocol.as_text(reply[0])
+    if outcome == "ok":
+        return int(reply[1])
+    if outcome == errors.SESSION_BUSY:
+        raise ApiError(outcome, "The session's previous turn is still running; send this "
+                       "turn when it has ended.", param="session_id")
+    if outcome == errors.TOO_MANY_SESSIONS:
+        raise ApiError(outcome, f"The tenant holds {settings.SESSIONS_PER_TENANT} sessions "
+                       "(SESSIONS_PER_TENANT); delete one (DELETE /v1/sessions/<id>) or let "
+                       "one expire.", param="session_id", headers={"Retry-After": "60"})
+    if outcome == errors.SESSION_MODEL_MISMATCH:
+        raise invalid("model", f"The session holds a conversation with the model "
+                      f"{protocol.as_text(reply[1])!r}.", errors.SESSION_MODEL_MISMATCH)
+    raise ApiError(errors.NO_SESSION, "No such session (unknown, expired or deleted): send "
+                   'the full history with "session_id": "new".', param="session_id")
 
 
 def _redis_unavailable(exc: redis.RedisError) -> ApiError:

@@ -24,6 +24,7 @@ api_patterns = [
     path("requests/<uuid:pk>/events", api_views.RequestEventsView.as_view(),
          name="request-events"),
     path("usage", views.UsageView.as_view(), name="usage"),
+    path("sessions/<str:session_id>", api_views.SessionView.as_view(), name="session-detail"),
     # nginx's auth_request (config/proxy.py); the door answers 404 to clients asking for it
     path("internal/key-check", auth.key_check, name="key-check"),
     path("openapi.json", SpectacularJSONAPIView.as_view(**PUBLIC), name="openapi-schema"),

@@ -84,7 +84,7 @@ class Nothing:
 
 def _enqueue() -> Any:
     api_key = SimpleNamespace(tenant_id=7, tenant=SimpleNamespace(max_queued=None))
-    parsed = SimpleNamespace(kind="completion", model="m",
+    parsed = SimpleNamespace(kind="completion", model="m", session_id=None,
                              job=lambda *args: SimpleNamespace(deadline=None))
     return service._enqueue(api_key, parsed, REQUEST_ID, None)
 
@@ -176,7 +176,7 @@ async def test_a_full_jobs_stream_cancels_its_row_and_keeps_its_error(world):
 @pytest.mark.asyncio
 async def test_a_block_left_without_its_job_queued_gives_back_once(world):
     api_key = SimpleNamespace(tenant_id=7, tenant=SimpleNamespace(max_queued=None))
-    parsed = SimpleNamespace(kind="completion", model="m")
+    parsed = SimpleNamespace(kind="completion", model="m", session_id=None)
     async with service.Admission(api_key, parsed, REQUEST_ID) as admitted:
         await admitted.record()
     assert world.given_back == GIVEN_BACK

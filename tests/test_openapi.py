@@ -25,6 +25,7 @@ PATHS = {
     "/v1/requests/{id}/cancel": {"post"},
     "/v1/requests/{id}/events": {"get"},
     "/v1/usage": {"get"},
+    "/v1/sessions/{session_id}": {"get", "delete"},
     "/v1/embeddings": {"post"},
     "/v1/tokenize": {"post"},
     "/v1/detokenize": {"post"},

@@ -52,14 +52,18 @@ CODES: dict[str, ErrorCode] = _codes(
      "(estimated_bytes, limit_bytes)"),
     ("request_quarantined", 400, "it stopped the daemon twice (an operator may release it)"),
     ("model_not_found", 400, "no such model"),
+    ("session_model_mismatch", 400, "the session holds a conversation with another model"),
     ("invalid_api_key", 401, "no key, or not a usable one"),
     ("permission_denied", 403, "the key may not do this"),
     ("not_found", 404, "no such resource (or another tenant's)"),
     ("events_expired", 404, "the request's event stream has expired"),
+    ("no_session", 404, "no such session of the tenant (unknown, expired, deleted, or "
+     "another tenant's): send the full history"),
     ("method_not_allowed", 405, "wrong HTTP method"),
     ("duplicate_request_id", 409, "a request with this id is already running"),
     ("idempotency_key_reused", 409, "an Idempotency-Key sent again with a different body"),
     ("request_cancelled", 409, "cancelled before it had its answer (embeddings, tokenize)"),
+    ("session_busy", 409, "the session's previous turn is still running"),
     # limits
     ("rate_limited", 429, "too many requests"),
     ("requests_per_second_exceeded", 429, "requests a second from one key (the anonymous API: "
@@ -74,6 +78,7 @@ CODES: dict[str, ErrorCode] = _codes(
     ("too_many_streams", 429, "the tenant's share of a web process's streams (or one "
      "request's readers) is in use"),
     ("replays_exceeded", 429, "replays of finished streams per minute over the tenant's rate"),
+    ("too_many_sessions", 429, "the tenant holds SESSIONS_PER_TENANT sessions already"),
     # the service
     ("internal_error", 500, "a bug; the request alone failed"),
     ("engine_error", 500, "llama.cpp failed on this request"),
@@ -107,6 +112,10 @@ SERVICE_UNAVAILABLE = "service_unavailable"
 AUTH_THROTTLED = "auth_throttled"
 TOO_MANY_STREAMS = "too_many_streams"
 REPLAYS_EXCEEDED = "replays_exceeded"
+NO_SESSION = "no_session"
+SESSION_BUSY = "session_busy"
+TOO_MANY_SESSIONS = "too_many_sessions"
+SESSION_MODEL_MISMATCH = "session_model_mismatch"
 
 
 def status_of(code: str | None) -> int:

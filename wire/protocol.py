@@ -248,6 +248,10 @@ class Job:
     # its session's hash, both salted by the tenant; the daemon that starts it records them.
     affinity: list[str] | None = None
     session_hash: str | None = None
+    # A session's turn (wire/sessions.py): its id, and whether ``prompt``/``messages`` are
+    # only the new turn (the daemon reads the conversation's tokens from the session)
+    session_id: str | None = None
+    continue_session: bool = False
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""

@@ -114,6 +114,23 @@ class ChatRenderer:
             pieces.append((rest, False))
         return pieces
 
+    def continuation_segments(self, messages: list[tuple[str, str]]) -> list[tuple[str, bool]]:
+        """The pieces that follow an assistant's reply in a conversation, for ``messages``
+        (a session's new turn): the reply's closing markup, each message, and the opening of
+        the assistant's next turn. Cut from the template's rendering of a stand-in exchange
+        (a user's message and the assistant's reply) followed by ``messages``, after the
+        reply's content: whatever the template puts at a conversation's start (a BOS, a
+        default system prompt) stays in the stand-in's part."""
+        stand_in = [("user", "?"), ("assistant", "!")]
+        pieces = self.segments(stand_in + messages)
+        contents = [i for i, (_, is_content) in enumerate(pieces) if is_content]
+        tail = pieces[contents[1] + 1:] if len(contents) > 1 else None
+        wanted = sum(1 for _, content in messages if content)
+        if tail is None or sum(1 for _, c in tail if c) != wanted or pieces[contents[1]][0] != "!":
+            raise InvalidParameter("messages", "this model's chat template cannot continue "
+                                   "a conversation with these messages; send the full history")
+        return tail
+
     def _render_text(self, messages: list[tuple[str, str]]) -> str:
         """The template's text. A template's leading BOS is dropped when the tokenizer adds
         one (Gemma); a model whose tokenizer adds none keeps it (SmolLM2: its BOS is

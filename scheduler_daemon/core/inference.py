@@ -362,6 +362,8 @@ class InferenceCore:
         since: float | None = None,
         n: int = 1,
         prompts: list[Any] | None = None,
+        session_prefix: list[int] | None = None,
+        keep_tokens: bool = False,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -373,7 +375,10 @@ class InferenceCore:
         each a request of the scheduler's with the same prompt (prefilled once: the
         followers copy the leader's cells) and its own sampler (seed + index). ``prompts``
         (instead of ``prompt``): a completion's several prompts, ``n`` choices each (choice
-        ``p * n + j``), at most MAX_CHOICES choices in all."""
+        ``p * n + j``), at most MAX_CHOICES choices in all. ``session_prefix``: a session's
+        conversation so far (its tokens): ``prompt`` (text) or ``messages`` are its new turn,
+        appended (``continuation_tokens``); ``keep_tokens``: the request's end carries the
+        conversation's tokens (a session's turn)."""
         _check_choices(n, prompt, messages, prompts, continuation)
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
@@ -403,12 +408,18 @@ class InferenceCore:
             return self._choices.enqueue([tokens for tokens in each for _ in range(n)],
                                          sum(len(t) for t in each), request_id, handle, params,
                                          shared())
-        tokens = self.prompt_tokens(prompt, messages)
+        if session_prefix is not None:
+            if n != 1 or prompts is not None:
+                raise InvalidParameter("n", "a session's turn has one choice")
+            tokens = list(session_prefix) + self.continuation_tokens(prompt, messages)
+        else:
+            tokens = self.prompt_tokens(prompt, messages)
         if n > 1:
             return self._choices.enqueue([tokens] * n, len(tokens), request_id, handle, params,
                                          shared())
         self._submit_one(Request(id=request_id, prompt_tokens=tokens, params=params,
-                                 continuation=continuation, **shared()), handle)
+                                 continuation=continuation, keep_tokens=keep_tokens,
+                                 **shared()), handle)
         return len(tokens)
 
     def _submit_one(self, request: Request, handle: RequestHandle | None) -> None:
@@ -446,6 +457,25 @@ class InferenceCore:
                 raise InvalidParameter("prompt", "token ids must be within the vocabulary")
             return list(prompt)
         raise InvalidParameter("prompt", "must be a string or a list of token ids")
+
+    def continuation_tokens(self, prompt: str | None, messages: Any) -> list[int]:
+        """A session's new turn as the tokens that follow its conversation: a chat's
+        messages after the assistant's last reply (``ChatRenderer.continuation_segments``),
+        or a completion's text as it is (no BOS)."""
+        if (prompt is None) == (messages is None):
+            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+        if messages is not None:
+            pairs = message_pairs(messages)
+            self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs), "messages")
+            return self.engine.tokenize_segments(self.chat.continuation_segments(pairs),
+                                                 bos=False)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidParameter("prompt", "a session's continued turn is non-empty text")
+        self._check_size(_utf8_len(prompt, "prompt"), "prompt")
+        try:
+            return self.engine.tokenize(prompt, add_special=False)
+        except UnicodeEncodeError:
+            raise InvalidParameter("prompt", "is not valid UTF-8 text") from None
 
     def _prompt_list_tokens(self, prompts: list[Any]) -> list[list[int]]:
         """A completion's several prompts as token ids, the list's text within the size

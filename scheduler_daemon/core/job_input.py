@@ -43,6 +43,8 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
     _check_type("cache_scope", job.cache_scope, str)
     _check_type("session", job.session, str, optional=True)
     _check_type("cache_prompt", job.cache_prompt, bool, optional=True)
+    _check_type("session_id", job.session_id, str, optional=True)
+    _check_type("continue_session", job.continue_session, bool)
     max_queued = job.max_queued
     if max_queued is not None and (type(max_queued) is not int or max_queued < 0):
         raise InvalidParameter("max_queued", "must be a non-negative integer")
@@ -58,6 +60,7 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "deadline": _deadline(job.deadline),
         "n": job.n,  # checked by the core (an integer of 1 to MAX_CHOICES)
         "prompts": job.prompts if not chat else None,  # checked by the core as well
+        "keep_tokens": job.session_id is not None,
     }
 
 

@@ -266,6 +266,7 @@ class Scheduler:
             output=continued,
             continued_tokens=len(continued),
             deadline=request.deadline,
+            keep_tokens=request.keep_tokens,
         )
         try:
             with self.lock:
@@ -1042,7 +1043,12 @@ class Scheduler:
         self.counters["cached_tokens"] += stats.cached_tokens
         self.counters["completion_tokens"] += stats.completion_tokens
         log.debug("request %s finished: %s %s", req.id, reason, stats)  # the daemon logs JSON
-        self._emit(FinishedEvent(req.id, reason, stats, stop=req.text.stopped_by, error=error))
+        tokens = None
+        if req.keep_tokens and error is None and reason in ("stop", "length"):
+            # the prompt holds a continued request's earlier output, which ``output`` starts with
+            tokens = tuple(req.prompt[: len(req.prompt) - req.continued_tokens] + req.output)
+        self._emit(FinishedEvent(req.id, reason, stats, stop=req.text.stopped_by, error=error,
+                                 tokens=tokens))
 
     def _release(self, slot: Slot, keep_cache: bool) -> None:
         slot.request, slot.state, slot.last_used = None, SlotState.IDLE, self._clock()

@@ -84,6 +84,7 @@ class Request:
     max_queued: int | None = None  # its scope's cap on waiting requests; None: the configured one
     continuation: Continuation | None = None  # it carries on from what another daemon generated
     deadline: float | None = None  # the scheduler's clock (monotonic); past it: ends with timeout
+    keep_tokens: bool = False  # a session's turn: its end carries the conversation's tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +109,7 @@ class RequestState:
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per output token, if asked
     cached_tokens: int = 0
     cache_tier: str | None = None  # slot, cross_slot, ram or disk: where cached_tokens came from
+    keep_tokens: bool = False  # see Request
     continued_tokens: int = 0  # the tail of ``prompt`` that is output of an earlier daemon
     passed_over: int = 0  # session requests admitted ahead of it while it was the queue's head
     t_started: float | None = None
@@ -191,6 +193,9 @@ class FinishedEvent:
     stop: str | None = None  # the stop string that ended it, if one did
     error: dict[str, Any] | None = None  # {"code", "message"} when finish_reason == "error"
     choices: tuple[Choice, ...] = ()  # a request of several choices: each one's end
+    # a session's turn that finished (stop, length): the conversation's tokens now, its
+    # prompt and its reply (``Request.keep_tokens``); None otherwise
+    tokens: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)

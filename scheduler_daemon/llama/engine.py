@@ -164,13 +164,17 @@ class LlamaEngine:
             )
         return list(buf[:n])
 
-    def tokenize_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+    def tokenize_segments(
+        self, segments: Sequence[tuple[str, bool]], bos: bool = True
+    ) -> list[int]:
         """A chat prompt's (text, is_content) pieces: the template's markup with special
-        tokens parsed, message content as plain text; BOS once, at the start."""
+        tokens parsed, message content as plain text; BOS once, at the start (``bos``: a
+        conversation's start, not a continuation's)."""
         tokens: list[int] = []
         for i, (text, is_content) in enumerate(segments):
-            tokens += self.tokenize(text, add_special=i == 0, parse_special=not is_content)
-        if not segments:
+            tokens += self.tokenize(text, add_special=bos and i == 0,
+                                    parse_special=not is_content)
+        if not segments and bos:
             tokens = self.tokenize("", add_special=True)
         return tokens
 

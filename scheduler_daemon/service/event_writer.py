@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from wire import limits, protocol
+from wire import limits, protocol, sessions
 from wire.backoff import Backoff
 
 from ..core.state import Event, FinishedEvent, TokenEvent
@@ -43,6 +43,8 @@ class Outgoing:
     kind: str
     data: dict[str, Any]
     entry_id: str | None = None  # the job's entry in the jobs stream, acked with the terminal event
+    # a session's finished turn: the conversation's tokens (packed), saved with its end
+    session_tokens: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -86,17 +88,23 @@ class EventWriter:
         self._tenants: dict[str, str] = {}  # request id -> tenant id (usage, request log)
         self._retention: dict[str, int] = {}  # request id -> its stream's retention (s)
         self._resumed: dict[str, int] = {}  # request id -> times it was continued (if any)
+        self._sessions: dict[str, str] = {}  # request id -> the session whose turn it is
+        self.session_ttl_s = sessions.DEFAULT_TTL_S  # SESSION_TTL_S (the daemon sets it)
 
     # -- from the intake (preparer thread) --------------------------------------------------
 
     def track(self, request_id: str, tenant_id: str,
-              retention_s: int = protocol.STREAM_RETENTION_S, resumed: int = 0) -> None:
+              retention_s: int = protocol.STREAM_RETENTION_S, resumed: int = 0,
+              session_id: str | None = None) -> None:
         """Remember a request's tenant (its usage and its log line name it at the end), its
-        stream's retention, and how many times it has been continued after a death."""
+        stream's retention, how many times it has been continued after a death, and the
+        session whose turn it is (its end ends the turn: wire/sessions.py)."""
         self._tenants[request_id] = tenant_id
         self._retention[request_id] = retention_s
         if resumed:
             self._resumed[request_id] = resumed
+        if session_id is not None:
+            self._sessions[request_id] = session_id
 
     def live_count(self) -> int:
         """Requests started here whose end is not yet written."""
@@ -164,6 +172,8 @@ class EventWriter:
             item = Outgoing(event.request_id, protocol.TOKEN, data)
         else:
             item = Outgoing(event.request_id, *finished_payload(event))
+            if event.tokens is not None and event.request_id in self._sessions:
+                item.session_tokens = sessions.pack(event.tokens)
             resumed = self._resumed.get(event.request_id)
             if resumed:
                 item.data["resumed"] = resumed
@@ -199,6 +209,7 @@ class EventWriter:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self._sessions.pop(request_id, None)
         self._tenants.pop(request_id, None)
         self._retention.pop(request_id, None)
         self._resumed.pop(request_id, None)
@@ -278,6 +289,12 @@ class EventWriter:
             if item.kind in protocol.TERMINAL:
                 pipe.hdel(self.running_key, item.request_id)
                 pipe.delete(protocol.owner_key(item.request_id))
+                session_id = self._sessions.get(item.request_id)
+                if session_id is not None:  # the turn ends (with its tokens if it finished)
+                    keys, args = sessions.end_args(
+                        session_id, self._tenants.get(item.request_id, ""), item.request_id,
+                        item.session_tokens or b"", self.session_ttl_s, now)
+                    pipe.eval(sessions.END, len(keys), *keys, *args)
                 if item.entry_id:
                     pipe.xack(self.jobs_stream, protocol.JOBS_GROUP, item.entry_id)
                     pipe.xdel(self.jobs_stream, item.entry_id)

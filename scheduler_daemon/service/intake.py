@@ -38,7 +38,7 @@ from typing import Any
 import redis
 
 from wire import affinity as wire_affinity
-from wire import errors, ownership, protocol, queue
+from wire import errors, ownership, protocol, queue, sessions
 from wire.backoff import Backoff
 from wire.errors import Refusal
 
@@ -367,15 +367,19 @@ class Intake:
             pipe.hset(self.running_key, job.id,
                       protocol.running_entry(self.recovery.run_id, fingerprint))
             self._publish_affinity(pipe, job)
-            return pipe.execute()[:4]
+            if job.session_id is not None and job.continue_session:
+                pipe.hget(sessions.key(job.session_id), "tokens")  # the conversation so far
+            replies = pipe.execute()
+            return [*replies[:4], replies[-1] if job.continue_session else None]
 
-        owned, cancelled, quarantined, _ = self._while_redis_away(checks)
+        owned, cancelled, quarantined, _, session_tokens = self._while_redis_away(checks)
         if not owned:
             log.warning("job %s is owned elsewhere (or ended); entry %s dropped", job.id, entry_id)
             self.redis.hdel(self.running_key, job.id)
             self.recovery.done_with(entry_id)
             return
-        self.writer.track(job.id, job.tenant_id, job.retention(), takeover.resumed)
+        self.writer.track(job.id, job.tenant_id, job.retention(), takeover.resumed,
+                          session_id=job.session_id if isinstance(job.session_id, str) else None)
         if cancelled:
             self.writer.terminal(job.id, entry_id, protocol.DONE, cancelled_before_start())
             return
@@ -399,6 +403,12 @@ class Intake:
             continuation = takeover.continuation
             arguments = submit_arguments(job)  # checked, max_queued too ...
             arguments["max_queued"] = None  # ... but the tenant's share is the web's gate
+            if job.continue_session:
+                prefix = sessions.unpack(session_tokens)
+                if not prefix or any(not 0 <= t < self.core.engine.n_vocab for t in prefix):
+                    raise Refusal(errors.NO_SESSION, "The session holds no conversation any "
+                                  "more; send the full history.")
+                arguments["session_prefix"] = prefix
             prompt_tokens = self.core.enqueue(
                 **arguments, continuation=continuation,
                 # its timings (duration, ttft) count from its first queueing, not the takeover

@@ -197,6 +197,7 @@ class Command(BaseCommand):
             abort_when_marked(daemon)
             hang_when_marked(daemon)
         daemon.intake.recovery.continue_streams = settings.CONTINUE_STREAMS
+        daemon.writer.session_ttl_s = int(settings.SESSION_TTL_S)
         daemon.intake.vocab_tenant_jobs = settings.VOCAB_TENANT_JOBS
         daemon.intake.vocab_jobs = settings.VOCAB_JOBS
         core.start()
