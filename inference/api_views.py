@@ -276,26 +276,22 @@ async def _sse(formatter: Formatter,
             yield DONE_FRAME
 
 
+def _session_schema(operation: str, summary: str) -> Any:
+    return extend_schema(operation_id=operation, summary=summary, tags=["sessions"],
+                         responses={200: OpenApiTypes.OBJECT,
+                                    **error_responses(401, 404, 405, 429, 503)})
+
+
 class SessionView(APIView):
     """GET or DELETE /v1/sessions/<id>: one of the tenant's sessions (docs/api.md,
     "Sessions"); another tenant's, an unknown or an expired one is 404 ``no_session``."""
 
-    @extend_schema(
-        operation_id="sessions_retrieve",
-        summary="A session: its model, turns, tokens held and expiry",
-        tags=["sessions"],
-        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 404, 405, 429, 503)},
-    )
+    @_session_schema("sessions_retrieve", "A session: its model, turns, tokens held, expiry")
     async def get(self, request: Request, session_id: str) -> JsonResponse:
         found = await service.session_info(request.auth, session_id)
         return JsonResponse({"object": "session", "id": session_id, **found})
 
-    @extend_schema(
-        operation_id="sessions_destroy",
-        summary="Delete a session (its next turn must send the full history)",
-        tags=["sessions"],
-        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 404, 405, 429, 503)},
-    )
+    @_session_schema("sessions_destroy", "Delete a session (its next turn sends the history)")
     async def delete(self, request: Request, session_id: str) -> JsonResponse:
         await service.delete_session(request.auth, session_id)
         return JsonResponse({"object": "session.deleted", "id": session_id, "deleted": True})
