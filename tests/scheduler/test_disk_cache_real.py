@@ -13,7 +13,7 @@ from scheduler_daemon.core.disk_cache import DiskCache
 from scheduler_daemon.core.inference import InferenceCore
 from scheduler_daemon.core.scheduler import SchedulerConfig
 
-from .test_prefix_cache import RECALL, WARM_UP, answer, ask, hit_tokens, submit, uncached
+from .test_prefix_cache import PREFIX, RECALL, WARM_UP, answer, ask, hit_tokens, submit, uncached
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +112,28 @@ def test_without_the_disk_tier_a_restart_is_cold(gemma_engine):
         assert answer(submit(core, RECALL, "tenant-a")).cached_tokens == 0
     finally:
         core.stop(grace_s=0)
+
+
+def stats_of(handle):
+    return list(handle.events(timeout=120))[-1].stats
+
+
+def test_every_tier_accounts_read_and_created_tokens_as_the_prompt(gemma_engine, tmp_path):
+    core = start(gemma_engine, tmp_path)
+    try:
+        cold = stats_of(submit(core, WARM_UP, "tenant-a"))
+        slot = stats_of(submit(core, RECALL, "tenant-a"))
+    finally:
+        core.stop(grace_s=0)
+    core = start(gemma_engine, tmp_path)
+    try:
+        disk = stats_of(submit(core, PREFIX + "Tell me: the code word is", "tenant-a"))
+        off = stats_of(submit(core, RECALL, "tenant-a", cache_prompt=False))
+    finally:
+        core.stop(grace_s=0)
+    assert (cold.cache_hit, cold.cache_tier) == ("none", None)
+    assert (slot.cache_hit, slot.cache_tier) == ("prefix", "slot")
+    assert (disk.cache_hit, disk.cache_tier) == ("prefix", "disk")
+    for stats in (cold, slot, disk):
+        assert stats.cached_tokens + stats.cache_created_tokens == stats.prompt_tokens
+    assert (off.cached_tokens, off.cache_created_tokens, off.cache_hit) == (0, 0, "none")
