@@ -131,6 +131,21 @@ def test_one_scheduler_per_served_model_each_with_its_file(services):
             assert "model" in service["depends_on"]
 
 
+def test_every_daemons_disk_prompt_cache_is_a_volume_the_image_lets_it_write(services):
+    """The disk tier outlives a container (its point: a restart's next turn is a hit), so
+    PROMPT_CACHE_DIR lies in a named volume mounted on every scheduler, in a folder the
+    image creates for its user (a new volume takes that folder's owner)."""
+    named = set(yaml.safe_load((BASE_DIR / "docker-compose.yml").read_text())["volumes"])
+    dockerfile = (BASE_DIR / "Dockerfile").read_text()
+    for service in schedulers(services).values():
+        folder = environment(service)["PROMPT_CACHE_DIR"]
+        mounts = [v.split(":") for v in service["volumes"]]
+        [(volume, target)] = [(v, t) for v, t in mounts if folder.startswith(t.rstrip("/") + "/")]
+        assert volume in named
+        assert re.search(rf"mkdir -p [^\n]*{re.escape(target)}\b", dockerfile)
+        assert re.search(rf"chown app [^\n]*{re.escape(target)}\b", dockerfile)
+
+
 def pip_installs(path: Path) -> list[list[str]]:
     """The arguments of every ``pip install`` the file runs: a Dockerfile's RUN instructions
     (continuation lines joined), split into shell commands."""
