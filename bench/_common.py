@@ -111,6 +111,7 @@ class Stack:
             **os.environ,
             "REDIS_URL": redis_url,
             "DEBUG": "false",
+            "HTTPS_ONLY": "false",  # plain HTTP on 127.0.0.1 (else every request is a 301)
             "SECRET_KEY": secrets.token_urlsafe(40),
             "ALLOWED_HOSTS": "127.0.0.1",
             "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",

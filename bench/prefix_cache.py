@@ -22,6 +22,17 @@ scheduler, the variants taking turns (A B / B A) for ``--rounds``:
             tenant B, whose distinct ~``--flood-tokens`` prompts overflow small RAM and disk
             budgets: A's cached ratio with the tenant share 0.5 against 1.0 (no quota).
 
+And one through the service itself (daphne and ``run_scheduler`` with the service's
+settings, ``_common.Stack``):
+
+- continue: conversations of ``--continue-turns`` turns (a ~300-token system prompt, one
+            question a turn, ``--new-tokens`` tokens a reply, streamed), two at a time: one
+            sends its whole history every turn, the other only its new turn
+            (``"continue": true`` on a session), taking turns (A B / B A), one request at a
+            time, each round a new tenant. Per turn: web + daemon CPU of the request (the two
+            processes' CPU time across it) and TTFT (to the first text), the continued one's
+            against the full one's (median of the rounds' ratios).
+
 Run:  .venv/bin/python bench/prefix_cache.py   (--quick: 4 conversations x 2 turns, a smoke run)
 The last line printed is JSON: {"bench": "prefix_cache", "modes": {"off": {...}, ...}}.
 """
@@ -40,7 +51,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import command, machine, model_path
+from _common import Stack, command, cpu_ms, machine, model_path
 
 from scheduler_daemon.core.disk_cache import DiskCache
 from scheduler_daemon.core.inference import InferenceCore
@@ -99,6 +110,7 @@ SERVICE = {
 }
 DISK_MB = 2048  # PROMPT_CACHE_DISK_MB
 SERVICE_MODES = ("restart", "flood")
+STACK_MODES = ("continue",)
 WARM_UP = SamplingParams(max_tokens=2)
 
 
@@ -355,6 +367,108 @@ def load_engine(args: argparse.Namespace, n_seq_max: int) -> LlamaEngine:
     )
 
 
+def _turn(client, url: str, key: str, body: dict, pids: list[int]) -> dict:
+    """One streamed chat request, alone: its text, usage, TTFT and the web's and daemon's
+    CPU across it."""
+    before = [cpu_ms(pid) for pid in pids]
+    t0 = time.perf_counter()
+    ttft, text, usage, session_id = None, [], None, None
+    with client.stream("POST", url, json={**body, "stream": True,
+                                          "stream_options": {"include_usage": True}},
+                       headers={"Authorization": f"Bearer {key}"}) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{reply.status_code}: {reply.read()[:300]!r}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            session_id = chunk.get("session_id", session_id)
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(piece)
+            usage = chunk.get("usage") or usage
+    after = [cpu_ms(pid) for pid in pids]
+    return {"text": "".join(text), "usage": usage, "session_id": session_id,
+            "ttft_ms": 1000 * (ttft if ttft is not None else time.perf_counter() - t0),
+            "web_cpu_ms": after[1] - before[1], "daemon_cpu_ms": after[0] - before[0]}
+
+
+def run_continue(args: argparse.Namespace) -> dict:
+    """The ``continue`` mode (module docstring): the real web and daemon."""
+    import httpx2 as httpx  # what the pinned openai SDK ships with (httpx API)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-continue-"))
+    (tmp / "stack").mkdir()
+    stack = Stack(args.redis_url, args.slots, args.threads, "bench-continue", defaults=True,
+                  env={"PROMPT_CACHE_DIR": str(tmp / "cache"), "N_THREADS": str(args.threads)},
+                  tmp=tmp / "stack")
+    stack.open()
+    pids = [stack.procs[0].pid, stack.procs[1].pid]  # the daemon, daphne
+    url = f"http://127.0.0.1:{stack.port}/v1/chat/completions"
+    per_turn: dict[int, dict[str, list[float]]] = {}
+    params = {"model": stack.model, "max_tokens": args.new_tokens, "temperature": 0,
+              "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=300) as client:
+            for r in range(args.continue_rounds):
+                key = stack.create_key(f"continue-{r}")  # a tenant per round: no shared cache
+                topics = (TOPICS[(2 * r) % len(TOPICS)], TOPICS[(2 * r + 1) % len(TOPICS)])
+                history = [[{"role": "system", "content": SYSTEM}] for _ in range(2)]
+                session = None
+                for turn in range(args.continue_turns):
+                    order = (0, 1) if (r + turn) % 2 == 0 else (1, 0)
+                    rows = {}
+                    for who in order:  # 0: the full history, 1: the new turn only
+                        question = {"role": "user", "content": QUESTIONS[
+                            turn % len(QUESTIONS)].format(topic=topics[who])}
+                        history[who].append(question)
+                        if who == 0:
+                            body = {**params, "messages": history[0]}
+                        elif session is None:
+                            body = {**params, "messages": history[1], "session_id": "new"}
+                        else:
+                            body = {**params, "messages": [question], "session_id": session,
+                                    "continue": True}
+                        rows[who] = _turn(client, url, key, body, pids)
+                        history[who].append({"role": "assistant", "content": rows[who]["text"]})
+                        if who == 1:
+                            session = rows[who]["session_id"]
+                    stats = per_turn.setdefault(turn + 1, {"cpu": [], "ttft": [], "web": [],
+                                                           "daemon": [], "prompt": []})
+                    full, cont = rows[0], rows[1]
+                    cpu = [x["web_cpu_ms"] + x["daemon_cpu_ms"] for x in (full, cont)]
+                    stats["cpu"].append(cpu[1] / cpu[0] if cpu[0] else float("nan"))
+                    stats["ttft"].append(cont["ttft_ms"] / full["ttft_ms"])
+                    stats["web"].append(cont["web_cpu_ms"] - full["web_cpu_ms"])
+                    stats["daemon"].append(cont["daemon_cpu_ms"] - full["daemon_cpu_ms"])
+                    stats["prompt"].append(full["usage"]["prompt_tokens"])
+                print(f"round {r + 1}: turn {args.continue_turns} cpu ratio "
+                      f"{per_turn[args.continue_turns]['cpu'][-1]:.3f}, ttft ratio "
+                      f"{per_turn[args.continue_turns]['ttft'][-1]:.3f}", flush=True)
+    finally:
+        stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    table = {}
+    for turn, stats in sorted(per_turn.items()):
+        table[turn] = {
+            "prompt_tokens": int(statistics.median(stats["prompt"])),
+            "cpu_ratio": round(statistics.median(stats["cpu"]), 3),
+            "cpu_ratio_range": [round(min(stats["cpu"]), 3), round(max(stats["cpu"]), 3)],
+            "ttft_ratio": round(statistics.median(stats["ttft"]), 3),
+            "ttft_ratio_range": [round(min(stats["ttft"]), 3), round(max(stats["ttft"]), 3)],
+            "web_cpu_ms_saved": round(-statistics.median(stats["web"]), 1),
+            "daemon_cpu_ms_saved": round(-statistics.median(stats["daemon"]), 1),
+        }
+        row = table[turn]
+        print(f"turn {turn}: prompt {row['prompt_tokens']} tokens; continued / full: cpu "
+              f"{row['cpu_ratio']} {row['cpu_ratio_range']}, ttft {row['ttft_ratio']} "
+              f"{row['ttft_ratio_range']}; saved web {row['web_cpu_ms_saved']} ms, daemon "
+              f"{row['daemon_cpu_ms_saved']} ms", flush=True)
+    return {"rounds": args.continue_rounds, "turns": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=8)
@@ -362,7 +476,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    every = [*MODES, *SERVICE_MODES]
+    every = [*MODES, *SERVICE_MODES, *STACK_MODES]
     parser.add_argument("--modes", nargs="+", default=every, choices=every)
     parser.add_argument("--rounds", type=int, default=6, help="restart: rounds of both variants")
     parser.add_argument("--flood-rounds", type=int, default=2)
@@ -371,6 +485,10 @@ def main() -> None:
     parser.add_argument("--flood-tokens", type=int, default=320, help="tokens of a B prompt")
     parser.add_argument("--flood-ram-mb", type=int, default=24)
     parser.add_argument("--flood-disk-mb", type=int, default=32)
+    parser.add_argument("--continue-rounds", type=int, default=4)
+    parser.add_argument("--continue-turns", type=int, default=8)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14",
+                        help="continue: the stack's Redis (a database of its own)")
     parser.add_argument("--quick", action="store_true",
                         help="4 conversations x 2 turns, 2 restart rounds, 1 flood round of 3")
     args = parser.parse_args()
@@ -412,6 +530,10 @@ def main() -> None:
             modes[mode] = (run_restart if mode == "restart" else run_flood)(engine, args)
             modes[mode]["wall_s"] = round(time.perf_counter() - t0, 1)
         engine.close()
+    if "continue" in args.modes:
+        t0 = time.perf_counter()
+        modes["continue"] = run_continue(args)
+        modes["continue"]["wall_s"] = round(time.perf_counter() - t0, 1)
     print(
         json.dumps(
             {
