@@ -450,6 +450,12 @@ def run_continue(args: argparse.Namespace) -> dict:
     finally:
         stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    skipped = history_cost(args, history[0])
+    render, parse = skipped["render_tokenize_ms"], skipped["web_parse_ms"]
+    print(f"what a continued turn skips at turn {args.continue_turns} "
+          f"({skipped['history_tokens']} tokens of history), in process: the daemon's render + "
+          f"tokenize {render['full']} ms -> {render['continue']} ms; the web's parse "
+          f"{parse['full']} ms -> {parse['continue']} ms", flush=True)
     table = {}
     for turn, stats in sorted(per_turn.items()):
         table[turn] = {
@@ -466,7 +472,51 @@ def run_continue(args: argparse.Namespace) -> dict:
               f"{row['cpu_ratio']} {row['cpu_ratio_range']}, ttft {row['ttft_ratio']} "
               f"{row['ttft_ratio_range']}; saved web {row['web_cpu_ms_saved']} ms, daemon "
               f"{row['daemon_cpu_ms_saved']} ms", flush=True)
-    return {"rounds": args.continue_rounds, "turns": table}
+    return {"rounds": args.continue_rounds, "turns": table, "skipped": skipped}
+
+
+def history_cost(args: argparse.Namespace, history: list[dict]) -> dict:
+    """In process, one thread: what the daemon does with a turn's messages (render with the
+    model's template, tokenize) and the web (parse and check the body), for the whole history
+    against the new turn alone (medians of 200 runs, ms)."""
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    os.environ.setdefault("DEBUG", "true")
+    django.setup()
+    from inference.openai_request import load_json, parse_request
+    from scheduler_daemon.core.chat import ChatRenderer, message_pairs
+
+    engine = LlamaEngine(EngineConfig(model_path=model_path(), n_ctx=4096, n_batch=512,
+                                      n_seq_max=1, n_threads=1))
+    chat = ChatRenderer(engine)
+    pairs = message_pairs(history)
+
+    def median_ms(call) -> float:
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        return round(1000 * statistics.median(times), 3)
+
+    full = json.dumps({"model": "m", "messages": history, "max_tokens": 16, "stream": True})
+    cont = json.dumps({"model": "m", "messages": history[-1:], "max_tokens": 16, "stream": True,
+                       "session_id": "sess_" + "a" * 43, "continue": True})
+    out = {
+        "history_tokens": len(engine.tokenize_segments(chat.segments(pairs))),
+        "render_tokenize_ms": {
+            "full": median_ms(lambda: engine.tokenize_segments(chat.segments(pairs))),
+            "continue": median_ms(lambda: engine.tokenize_segments(
+                chat.continuation_segments(pairs[-1:]), bos=False)),
+        },
+        "web_parse_ms": {
+            "full": median_ms(lambda: parse_request("chat", load_json(full))),
+            "continue": median_ms(lambda: parse_request("chat", load_json(cont))),
+        },
+    }
+    engine.close()
+    return out
 
 
 def main() -> None:
