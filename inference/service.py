@@ -159,8 +159,13 @@ class Admission:
         history_tokens = 0
         try:
             if self.parsed.session_id is not None:  # the session's turn first: 404, 409, 429
-                self._session_begun = True
-                history_tokens = await _begin_turn(self.api_key, self.parsed, self.request_id)
+                self._session_begun = True  # (a reply lost on the way: it may have begun)
+                try:
+                    history_tokens = await _begin_turn(self.api_key, self.parsed,
+                                                       self.request_id)
+                except ApiError:
+                    self._session_begun = False  # refused: it holds nothing
+                    raise
             await limits.admit_key(self.api_key, self.request_id,
                                    reserve=_reservation(self.parsed) + history_tokens,
                                    model=self.parsed.model)
@@ -218,10 +223,15 @@ class Admission:
             return
         self._session_begun = False
         parsed = self.parsed
+        tenant = str(self.api_key.tenant_id)
         try:
-            keys, args = sessions.end_args(parsed.session_id, str(self.api_key.tenant_id),
-                                           self.request_id, b"", settings.SESSION_TTL_S,
-                                           time.time())
+            if parsed.session_mode == "new":  # never used: it holds no place under the cap
+                keys = [sessions.key(parsed.session_id), sessions.tenant_key(tenant)]
+                await broker.async_client().eval(sessions.DELETE, len(keys), *keys, tenant,
+                                                 parsed.session_id)
+                return
+            keys, args = sessions.end_args(parsed.session_id, tenant, self.request_id, b"",
+                                           settings.SESSION_TTL_S, time.time())
             await broker.async_client().eval(sessions.END, len(keys), *keys, *args)
         except redis.RedisError as exc:
             log.warning("could not end session %s's turn %s: %r", parsed.session_id,

@@ -13,7 +13,7 @@ import threading
 import pytest
 import websockets
 
-from tests.live_service import RealDaemon, wait_until
+from tests.live_service import RealDaemon, redis_conn, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +152,16 @@ def test_a_retried_new_session_names_the_session_its_first_run_made(web, daemon)
     turn = complete(web, daemon.model, owner, " More.", session_id=first["session_id"],
                     **{"continue": True})
     assert turn.status == 200 and turn.json()["session_id"] == first["session_id"]
+
+
+def test_a_new_session_refused_by_the_tenants_limits_is_not_kept(web, daemon):
+    from tests.test_limits_http import make_tenant
+    from wire import sessions
+
+    tenant_id, key = make_tenant(web, requests_per_minute=1)
+    r = redis_conn()
+    r.delete(sessions.tenant_key(str(tenant_id)))
+    assert complete(web, daemon.model, key, "Hi").status == 200
+    refused = complete(web, daemon.model, key, FIRST, session_id="new")
+    assert refused.status == 429 and refused.json()["error"]["code"] == "rpm_exceeded"
+    assert r.zcard(sessions.tenant_key(str(tenant_id))) == 0  # no place under the cap
