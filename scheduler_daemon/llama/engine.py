@@ -312,6 +312,32 @@ class LlamaEngine:
             data = (ctypes.c_uint8 * len(data)).from_buffer(data)  # no copy
         return lc.llama_state_seq_set_data(self._ctx, data, len(data), seq_id) > 0
 
+    # -- LoRA adapters (issue 35's first step: no request reaches these yet; a file must be
+    # checked before it is given to load_adapter, which llama.cpp parses natively) ----------
+
+    def load_adapter(self, path: str) -> Any:
+        """Load a GGUF LoRA adapter for this model (``llama_adapter_lora_init``); raises
+        ``EngineError`` when llama.cpp refuses it. Its handle lives until ``free_adapter``
+        (or the model's end)."""
+        handle = lc.llama_adapter_lora_init(self._model, str(path).encode())
+        if not handle:
+            raise EngineError(f"llama.cpp refused the adapter {path}")
+        return handle
+
+    def use_adapters(self, adapters: Sequence[tuple[Any, float]]) -> None:
+        """The adapters (handle, scale) every later decode of the context applies; none: the
+        base model. Loop thread only (between decodes)."""
+        n = len(adapters)
+        handles = (lc.llama_adapter_lora_p_ctypes * max(1, n))(*[h for h, _ in adapters])
+        scales = (ctypes.c_float * max(1, n))(*[float(s) for _, s in adapters])
+        if lc.llama_set_adapters_lora(self._ctx, handles if n else None, n,
+                                      scales if n else None) != 0:
+            raise EngineError("llama.cpp could not set the adapters")
+
+    def free_adapter(self, handle: Any) -> None:
+        """Unload an adapter (not in use by ``use_adapters`` any more)."""
+        lc.llama_adapter_lora_free(handle)
+
     def _cache_identity(self, path: Path, config: EngineConfig) -> str:
         """What a saved sequence state depends on, hashed (the disk tier's folder and
         files): llama.cpp's version, the model file (its size and its first and last 4 MiB:
