@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import struct
 from typing import Any
@@ -32,6 +33,7 @@ from .scripts import lua
 PREFIX = "llm:session"
 ID_PREFIX = "sess_"
 ID_MAX_LEN = 64
+_ID = re.compile(rf"{ID_PREFIX}[A-Za-z0-9_-]{{1,{ID_MAX_LEN - len(ID_PREFIX)}}}")
 BUSY_MARGIN_S = 60.0  # a turn's busy mark outlives its deadline by this much
 DEFAULT_TTL_S = 3600  # SESSION_TTL_S's default
 
@@ -60,9 +62,7 @@ def id_for_request(secret: str, tenant_id: str, request_id: str) -> str:
 
 def is_id(value: Any) -> bool:
     """The shape of an id this service gives (anything else is no session of anyone's)."""
-    return (isinstance(value, str) and value.startswith(ID_PREFIX)
-            and len(value) <= ID_MAX_LEN and value[len(ID_PREFIX):].replace("-", "").replace(
-                "_", "").isalnum())
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
 
 
 def key(session_id: str) -> str:

@@ -158,12 +158,11 @@ class DiskCache:
         return self.index.budget_bytes
 
     def open(self) -> None:
-        """Make the folder (mode 0700) and index the files found there, oldest use first;
-        corrupt ones and leftover temporary files are deleted. Files past the budget (a
+        """Make this identity's folder (mode 0700) and index the files found there, oldest
+        use first; corrupt ones and leftover temporary files are deleted. Files past the budget (a
         smaller budget than the last run's) are evicted."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
-        os.chmod(self.dir, 0o700)
+        os.chmod(self.dir, 0o700)  # its own folder only: the root may be shared (or /tmp)
         found: list[tuple[float, Path, Header, int]] = []
         for scope_dir in self.dir.iterdir():
             if not scope_dir.is_dir() or scope_dir.is_symlink():
@@ -356,6 +355,10 @@ class _Job:
     reason: str  # finish | evict | shutdown
 
 
+def _pending_key(scope: str, tokens: list[int]) -> tuple[str, int, int]:
+    return scope, len(tokens), hash(tuple(tokens))
+
+
 class DiskWriter:
     """The thread that writes states to a ``DiskCache``: ``submit`` never blocks (a full
     queue drops the save, counted), ``flush`` waits for what was submitted (shutdown)."""
@@ -376,7 +379,7 @@ class DiskWriter:
 
     def submit(self, scope: str, tokens: list[int], data: Any, reason: str,
                block_s: float = 0.0) -> bool:
-        key = (scope, len(tokens), hash(tuple(tokens)))
+        key = _pending_key(scope, tokens)
         with self._pending_lock:
             if key in self._pending:
                 return False
@@ -393,7 +396,7 @@ class DiskWriter:
 
     def pending(self, scope: str, tokens: list[int]) -> bool:
         with self._pending_lock:
-            return (scope, len(tokens), hash(tuple(tokens))) in self._pending
+            return _pending_key(scope, tokens) in self._pending
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every submitted state is written (or ``timeout_s``)."""
@@ -428,5 +431,5 @@ class DiskWriter:
             finally:
                 if job is not None:
                     with self._pending_lock:
-                        self._pending.discard((job.scope, len(job.tokens), hash(tuple(job.tokens))))
+                        self._pending.discard(_pending_key(job.scope, job.tokens))
                 self._queue.task_done()

@@ -446,8 +446,7 @@ class InferenceCore:
         if (prompt is None) == (messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if messages is not None:
-            pairs = message_pairs(messages)
-            self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs), "messages")
+            pairs = self._pairs(messages)  # measured before anything renders them
             return self.engine.tokenize_segments(self.chat.segments(pairs))
         if isinstance(prompt, str):
             self._check_size(_utf8_len(prompt, "prompt"), "prompt")
@@ -465,17 +464,19 @@ class InferenceCore:
         if (prompt is None) == (messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if messages is not None:
-            pairs = message_pairs(messages)
-            self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs), "messages")
+            pairs = self._pairs(messages)  # measured before anything renders them
             return self.engine.tokenize_segments(self.chat.continuation_segments(pairs),
                                                  bos=False)
         if not isinstance(prompt, str) or not prompt:
             raise InvalidParameter("prompt", "a session's continued turn is non-empty text")
         self._check_size(_utf8_len(prompt, "prompt"), "prompt")
-        try:
-            return self.engine.tokenize(prompt, add_special=False)
-        except UnicodeEncodeError:
-            raise InvalidParameter("prompt", "is not valid UTF-8 text") from None
+        return self._tokenize(prompt, "prompt", add_special=False)
+
+    def _pairs(self, messages: Any) -> list[tuple[str, str]]:
+        """Chat messages as (role, text) pairs, their text within the size limit."""
+        pairs = message_pairs(messages)
+        self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs), "messages")
+        return pairs
 
     def _prompt_list_tokens(self, prompts: list[Any]) -> list[list[int]]:
         """A completion's several prompts as token ids, the list's text within the size
@@ -643,9 +644,9 @@ class InferenceCore:
                 max_prompt_bytes=self.max_prompt_bytes,
             )
 
-    def _tokenize(self, text: str, field: str) -> list[int]:
+    def _tokenize(self, text: str, field: str, add_special: bool = True) -> list[int]:
         try:
-            return self.engine.tokenize(text)
+            return self.engine.tokenize(text, add_special=add_special)
         except UnicodeEncodeError:
             raise InvalidParameter(field, "is not valid UTF-8 text") from None
 

@@ -353,6 +353,9 @@ class Intake:
             self.ack_quietly(entry_id)
             return
         fingerprint = job_fingerprint(job)
+        # a session's continued turn (a rogue job's other shapes are refused by
+        # submit_arguments, which checks both fields' types)
+        continuing = isinstance(job.session_id, str) and job.continue_session is True
 
         def checks() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
@@ -367,10 +370,10 @@ class Intake:
             pipe.hset(self.running_key, job.id,
                       protocol.running_entry(self.recovery.run_id, fingerprint))
             self._publish_affinity(pipe, job)
-            if job.session_id is not None and job.continue_session:
+            if continuing:
                 pipe.hget(sessions.key(job.session_id), "tokens")  # the conversation so far
             replies = pipe.execute()
-            return [*replies[:4], replies[-1] if job.continue_session else None]
+            return [*replies[:4], replies[-1] if continuing else None]
 
         owned, cancelled, quarantined, _, session_tokens = self._while_redis_away(checks)
         if not owned:
@@ -403,7 +406,7 @@ class Intake:
             continuation = takeover.continuation
             arguments = submit_arguments(job)  # checked, max_queued too ...
             arguments["max_queued"] = None  # ... but the tenant's share is the web's gate
-            if job.continue_session:
+            if continuing:
                 prefix = sessions.unpack(session_tokens)
                 if not prefix or any(not 0 <= t < self.core.engine.n_vocab for t in prefix):
                     raise Refusal(errors.NO_SESSION, "The session holds no conversation any "
