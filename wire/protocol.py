@@ -141,8 +141,10 @@ def control_stream(daemon_id: str) -> str:
 #   {"action": "drain"}                       stop taking jobs; in-flight ones finish
 #   {"action": "resume"}                      take jobs again after a drain
 #   {"action": "evict_scope", "scope": "42"}  drop one tenant's cached prefixes, every tier
+#   {"action": "unload_adapter", "adapter": "ad_..."}  an adapter deleted: unloaded once no
+#                                             running request uses it, never loaded again
 # Cancelling a request needs no daemon command: publish it like any cancel.
-CONTROL_ACTIONS = frozenset({"drain", "resume", "evict_scope"})
+CONTROL_ACTIONS = frozenset({"drain", "resume", "evict_scope", "unload_adapter"})
 
 
 def encode_command(action: str, **args: Any) -> dict[str, str]:
@@ -252,6 +254,9 @@ class Job:
     # only the new turn (the daemon reads the conversation's tokens from the session)
     session_id: str | None = None
     continue_session: bool = False
+    # A tenant's LoRA adapter (its registered row, resolved by the web): {"id": "ad_...",
+    # "path": absolute file path, "sha256": the file's hash, "scale": float}; None: the base
+    adapter: dict[str, Any] | None = None
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""
@@ -265,6 +270,15 @@ class Job:
     def retention(self) -> int:
         """Seconds its events stream lives after its last event."""
         return int(self.retention_s or STREAM_RETENTION_S)
+
+
+def adapter_tag(adapter: dict[str, Any] | None) -> str:
+    """What a job's adapter adds to its prefix cache identity and its affinity salt: the file's
+    hash and the scale ("" for the base model): a prefix computed under one adapter and scale
+    is never reused under another, nor without it."""
+    if not adapter:
+        return ""
+    return f"lora:{adapter['sha256']}@{float(adapter['scale'])!r}"
 
 
 def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:
