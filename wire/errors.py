@@ -82,11 +82,15 @@ CODES: dict[str, ErrorCode] = _codes(
     # the service
     ("internal_error", 500, "a bug; the request alone failed"),
     ("engine_error", 500, "llama.cpp failed on this request"),
+    ("adapter_unusable", 500, "the request's adapter file no longer passes the daemon's check "
+     "(changed or damaged since it was registered)"),
     ("queue_full", 503, "the daemon's queue is full"),
     ("shutting_down", 503, "the daemon is draining"),
     ("scheduler_unavailable", 503, "no live daemon serves the model"),
     ("service_unavailable", 503, "the web process is at capacity (Redis pool, streams)"),
     ("inference_interrupted", 503, "the daemon died while the request ran"),
+    ("adapters_busy", 503, "MAX_LOADED_ADAPTERS adapters are loaded and in use: none can "
+     "make room for this request's adapter now"),
     ("context_full", 503, "the KV cache filled while the request ran"),
     ("timeout", 504, "the request ran past its time limit"),
 )
@@ -116,6 +120,8 @@ NO_SESSION = "no_session"
 SESSION_BUSY = "session_busy"
 TOO_MANY_SESSIONS = "too_many_sessions"
 SESSION_MODEL_MISMATCH = "session_model_mismatch"
+ADAPTER_UNUSABLE = "adapter_unusable"
+ADAPTERS_BUSY = "adapters_busy"
 
 
 def status_of(code: str | None) -> int:
