@@ -40,6 +40,7 @@ from wire import errors, protocol
 from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
+from .adapters import SCOPE_SEP, AdapterRegistry
 from .chat import ChatRenderer, message_pairs
 from .choices import ChoiceGroups
 from .disk_cache import DiskCache
@@ -51,6 +52,7 @@ from .state import Continuation, Event, FinishedEvent, Request, TickStats, Token
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_BYTES = 256 * 1024
+DEFAULT_MAX_LOADED_ADAPTERS = 8
 SLOW_TURN_S = 5.0  # a loop turn longer than this is logged with what its tick did
 SNAPSHOT_LOCK_WAIT_S = 0.2  # the heartbeat's wait for the scheduler's lock, at most
 MAX_BLAMELESS_TICK_FAILURES = 3  # ticks in a row that fail with no request in the batch
@@ -120,6 +122,7 @@ class InferenceCore:
         embeddings_tenant_jobs: int | None = None,
         disk: DiskCache | None = None,
         shutdown_save_s: float = 5.0,
+        max_loaded_adapters: int = DEFAULT_MAX_LOADED_ADAPTERS,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
         anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
@@ -128,7 +131,8 @@ class InferenceCore:
         ``embeddings_tenant_jobs``: the embeddings jobs one tenant may hold here (default: a
         quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it).
         ``disk``: the prefix cache's disk tier (opened); ``stop`` saves the slots' and the RAM
-        tier's states to it for at most ``shutdown_save_s`` (PROMPT_CACHE_SHUTDOWN_S)."""
+        tier's states to it for at most ``shutdown_save_s`` (PROMPT_CACHE_SHUTDOWN_S).
+        ``max_loaded_adapters`` (MAX_LOADED_ADAPTERS): LoRA adapters loaded at once."""
         self.engine = engine
         self.embeddings = embeddings
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
@@ -138,6 +142,9 @@ class InferenceCore:
         self.turn_hooks: list[Callable[[], None]] = []
         self.chat = ChatRenderer(engine, chat_template)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick, disk=disk)
+        self.adapters = AdapterRegistry(engine, getattr(engine, "model_path", ""),
+                                        max_loaded_adapters, self.scheduler.adapters_in_use)
+        self.scheduler.adapters = self.adapters
         self.shutdown_save_s = shutdown_save_s
         self.listeners: list[Callable[[Event], None]] = []
         self.tick_listeners: list[Callable[[TickStats], None]] = [on_tick] if on_tick else []
@@ -234,6 +241,7 @@ class InferenceCore:
                                                     DEFAULT_EMBEDDINGS_TENANT_TOKENS))),
             disk=disk,
             shutdown_save_s=get("PROMPT_CACHE_SHUTDOWN_S"),
+            max_loaded_adapters=get("MAX_LOADED_ADAPTERS"),
         )
         core.max_answer_bytes = int(overrides.get(
             "max_vocab_answer_bytes", getattr(settings, "MAX_VOCAB_ANSWER_BYTES",
@@ -310,6 +318,8 @@ class InferenceCore:
             try:
                 for hook in self.turn_hooks:
                     hook()
+                if self.adapters.retiring:  # idle too: a deleted adapter goes now
+                    self.scheduler.retire_adapters()
                 generating = self.scheduler.has_work()
                 embedded = False
                 if self._embedding_queue and (not generating or self._embed_owed_s <= 0):
@@ -364,6 +374,8 @@ class InferenceCore:
         prompts: list[Any] | None = None,
         session_prefix: list[int] | None = None,
         keep_tokens: bool = False,
+        adapter: dict[str, Any] | None = None,
+        route: str | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -378,7 +390,10 @@ class InferenceCore:
         ``p * n + j``), at most MAX_CHOICES choices in all. ``session_prefix``: a session's
         conversation so far (its tokens): ``prompt`` (text) or ``messages`` are its new turn,
         appended (``continuation_tokens``); ``keep_tokens``: the request's end carries the
-        conversation's tokens (a session's turn)."""
+        conversation's tokens (a session's turn). ``adapter``: the job's LoRA adapter
+        (``wire.protocol.Job.adapter``), loaded here if it is not (core/adapters.py); its
+        tag is part of the cache scope; ``route``: its affinity chain's head (kept in the
+        summary while the adapter stays loaded)."""
         _check_choices(n, prompt, messages, prompts, continuation)
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
@@ -391,14 +406,28 @@ class InferenceCore:
         if session is not None and not isinstance(session, str):
             raise InvalidParameter("session", "must be a string")
         choices = n * (len(prompts) if prompts is not None else 1)
+        if adapter is not None:  # the tenant's scope under this adapter and scale
+            cache_scope = f"{cache_scope}{SCOPE_SEP}{protocol.adapter_tag(adapter)}"
         self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
         request_id = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
+        with self.adapters.hold(adapter, route) as use:  # loaded (off the tick) and held
+            return self._enqueue(prompt, messages, params, request_id, handle, continuation,
+                                 n, prompts, session_prefix, keep_tokens,
+                                 dict(cache_scope=cache_scope, session=session,
+                                      cache_prompt=cache_prompt, max_queued=max_queued,
+                                      adapter=use),
+                                 arrival, now, deadline)
+
+    def _enqueue(self, prompt: Any, messages: Any, params: SamplingParams, request_id: str,
+                 handle: RequestHandle | None, continuation: Continuation | None, n: int,
+                 prompts: list[Any] | None, session_prefix: list[int] | None,
+                 keep_tokens: bool, fields: dict[str, Any], arrival: float, now: float,
+                 deadline: float | None) -> int:
 
         def shared() -> dict[str, Any]:
             """The fields every request of this job shares, once its prompt is tokenized."""
-            return dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
-                        arrival=arrival, max_queued=max_queued,
+            return dict(fields, arrival=arrival,
                         # the scheduler's clock is monotonic; a wall-clock deadline crosses
                         # daemons
                         deadline=None if deadline is None else now + (deadline - time.time()))
@@ -670,7 +699,8 @@ class InferenceCore:
             scheduler = {**self._last_scheduler_snapshot, "stale": True}
         else:
             self._last_scheduler_snapshot = scheduler
-        return {**scheduler, "embeddings": self.embeddings, "loop": loop}
+        return {**scheduler, "embeddings": self.embeddings, "loop": loop,
+                "adapters": self.adapters.summary(wait_s=SNAPSHOT_LOCK_WAIT_S)}
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's turns, seconds since its last one, and whether it looks stuck."""

@@ -22,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 from wire import protocol
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
 
+ADAPTER_ID = re.compile(r"ad_[0-9a-f]{16}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPILED_FIELDS = ("grammar", "json_schema")  # bounded by the engine when it compiles them
 KINDS = ("completion", "chat")
 
@@ -61,7 +64,27 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "n": job.n,  # checked by the core (an integer of 1 to MAX_CHOICES)
         "prompts": job.prompts if not chat else None,  # checked by the core as well
         "keep_tokens": job.session_id is not None,
+        "adapter": adapter_spec(job.adapter),
+        # an adapter's jobs' affinity chains start with its head hash (wire/affinity.py)
+        "route": job.affinity[0] if job.adapter and job.affinity else None,
     }
+
+
+def adapter_spec(raw: Any) -> dict[str, Any] | None:
+    """The job's adapter: ``{"id", "path", "sha256", "scale"}`` of their wire types (the
+    file itself is checked where it is loaded: core/adapters.py)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"id", "path", "sha256", "scale"}:
+        raise InvalidParameter("adapter", "must be an object of id, path, sha256 and scale")
+    ok = (isinstance(raw["id"], str) and ADAPTER_ID.fullmatch(raw["id"]) is not None
+          and isinstance(raw["path"], str) and raw["path"].startswith("/")
+          and "\0" not in raw["path"]
+          and isinstance(raw["sha256"], str) and SHA256.fullmatch(raw["sha256"]) is not None
+          and type(raw["scale"]) in (int, float) and math.isfinite(raw["scale"]))
+    if not ok:
+        raise InvalidParameter("adapter", "has a field of the wrong shape")
+    return dict(raw, scale=float(raw["scale"]))
 
 
 def sampling_params(raw: Any) -> SamplingParams:

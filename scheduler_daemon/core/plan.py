@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from .engine_api import BatchRow
 from .state import RequestState, Slot
@@ -61,6 +62,10 @@ class TickPlan:
     deferred: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # out of their slots for another scope
     resumed: list[str] = field(default_factory=list)  # preempted ones given a slot again
+    # the adapter group whose rows these are ("" the base model) and its adapter set
+    # ((handle, scale) pairs) that the context applies for the decode
+    group: str = ""
+    adapter_set: list[tuple[Any, float]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:

@@ -26,6 +26,7 @@ from wire import errors
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
+from .adapters import AdapterRegistry, tenant_scopes
 from .disk_cache import DiskCache
 from .engine_api import (
     DECODE_ABORTED,
@@ -166,6 +167,12 @@ class Scheduler:
         self.max_request_tokens = min(engine.n_ctx, self._scope_blocks * config.kv_block_tokens)
         self._rr_next = 0
         self._tick = 0
+        # LoRA adapters (core/adapters.py; None: requests carry none): the group the
+        # context applies now, and each group's last turn and tokens decoded
+        self.adapters: AdapterRegistry | None = None
+        self._group = ""
+        self._group_turns: dict[str, int] = {}
+        self.group_tokens: Counter[str] = Counter()
         self._admitting = True
         # KV cells are only touched on the loop thread (llama.cpp's memory is not safe to
         # change during a decode, which runs outside the lock): a slot forgotten from
@@ -267,6 +274,7 @@ class Scheduler:
             continued_tokens=len(continued),
             deadline=request.deadline,
             keep_tokens=request.keep_tokens,
+            adapter=request.adapter,
         )
         try:
             with self.lock:
@@ -357,17 +365,26 @@ class Scheduler:
         """Forget one scope's cached prefixes in idle slots and the RAM tier; returns how
         many entries went. Slots still serving a request of that scope are left alone."""
         with self.lock:
+            known = {s.scope for s in self._slots if s.scope is not None}
+            for tier in (self.cache.ram, self.cache.disk):
+                if tier is not None:
+                    known.update(e.cache_scope for e in tier.entries())
+            scopes = tenant_scopes(cache_scope, known | {cache_scope})  # its adapters' too
             idle = [
                 s
                 for s in self._slots
-                if s.state is SlotState.IDLE and s.scope == cache_scope and s.tokens
+                if s.state is SlotState.IDLE and s.scope in scopes and s.tokens
             ]
             for slot in idle:
                 self._forget(slot)
-            self.cache.forget_parked(cache_scope)  # parked during a decode: never saved
-            ram = self.cache.ram.evict_scope(cache_scope) if self.cache.ram is not None else 0
-            disk = self.cache.disk.evict_scope(cache_scope) if self.cache.disk is not None else 0
-            return len(idle) + ram + disk
+            evicted = len(idle)
+            for scope in scopes:
+                self.cache.forget_parked(scope)  # parked during a decode: never saved
+                if self.cache.ram is not None:
+                    evicted += self.cache.ram.evict_scope(scope)
+                if self.cache.disk is not None:
+                    evicted += self.cache.disk.evict_scope(scope)
+            return evicted
 
     def slots(self) -> list[Slot]:
         """The slots (read or change them on the loop thread, or with the lock held once the
@@ -446,6 +463,8 @@ class Scheduler:
     def schedule(self) -> TickPlan:
         """Apply the cancels, admit what fits, and plan the batch within ``N_BATCH``. The
         plan's rows are in flight until ``run(plan)``: call it next (on the loop thread)."""
+        if self.adapters is not None and self.adapters.retiring:
+            self.retire_adapters()
         with self.lock:
             self._loop_thread = threading.get_ident()
             self._apply_kv_forgets()
@@ -477,6 +496,10 @@ class Scheduler:
         t0 = self._clock()
         retries, purged = 0, False
         while plan.rows:
+            if plan.group != self._group:  # llama.cpp applies adapters per context
+                self.engine.use_adapters(plan.adapter_set)
+                self._group = plan.group
+                self.counters["adapter_switches"] += 1
             t_decode = self._clock()
             rc = self.engine.decode(
                 plan.batch, abortable=plan.n_tokens >= self.config.abort_min_tokens
@@ -827,13 +850,20 @@ class Scheduler:
         req.run_start_tokens = len(req.output)
         self._used_blocks += req.blocks
 
-    def _plan_batch(self, plan: TickPlan) -> None:
+    def _plan_batch(self, plan: TickPlan, group: str | None = None) -> None:
         """Fill ``plan.rows``: a decode row for every generating slot first, then prefill
         chunks round-robin among prefilling slots (each at most ``chunk_size``), all within
-        ``plan.token_budget`` tokens. The rows are then in flight (a cancel aborts them)."""
+        ``plan.token_budget`` tokens. The rows are then in flight (a cancel aborts them).
+        Only one adapter group's slots (``_next_group``, or ``group``) share the batch."""
         budget = plan.token_budget
         used = 0
-        for slot in self._slots:
+        plan.group = self._next_group() if group is None else group
+        active = [s for s in self._slots
+                  if s.request is not None and s.request.group == plan.group]
+        if plan.group and active:
+            use = active[0].request.adapter
+            plan.adapter_set = [(use.handle, use.scale)]
+        for slot in active:
             if slot.state is SlotState.GENERATING and used < budget:
                 req = slot.request
                 row = BatchRow(slot.seq_id, (req.output[-1],), len(slot.tokens), True)
@@ -841,7 +871,7 @@ class Scheduler:
                 used += 1
         n = len(self._slots)
         prefilling = sorted(
-            (s for s in self._slots if s.state is SlotState.PREFILLING),
+            (s for s in active if s.state is SlotState.PREFILLING),
             key=lambda s: (s.seq_id - self._rr_next) % n,
         )
         if prefilling:
@@ -866,11 +896,46 @@ class Scheduler:
         self.tick_rows = list(self._in_flight)
         self.last_plan = plan
 
+    def _next_group(self) -> str:
+        """The adapter group whose turn it is: of the groups with a slot at work, the one
+        whose last turn is the oldest (a new one first; ties: the fewest tokens decoded).
+        Each group with work gets one tick per round, whatever its number of rows, so a
+        flood on one adapter delays another group's requests by one turn per round."""
+        groups = {s.request.group for s in self._slots
+                  if s.request is not None and s.state is not SlotState.IDLE}
+        if len(groups) <= 1:
+            group = next(iter(groups), self._group)
+        else:
+            group = min(groups, key=lambda g: (self._group_turns.get(g, -1),
+                                               self.group_tokens[g], g != self._group))
+        self._group_turns[group] = self._tick
+        if len(self._group_turns) > 4 * len(self._slots):  # groups gone idle: forgotten
+            self._group_turns = {g: t for g, t in self._group_turns.items() if g in groups}
+            self.group_tokens = Counter({g: self.group_tokens[g] for g in groups})
+        return group
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapter ids of the requests held here (waiting, preempted or running)."""
+        with self.lock:
+            return {r.adapter.id for r in self._requests.values() if r.adapter is not None}
+
+    def retire_adapters(self) -> None:
+        """Free the adapters the registry retires (loop thread, outside the lock: the
+        registry's lock is taken before this one by a preparing thread); the context
+        first stops applying any adapter, so no freed handle stays set on it."""
+        handles = self.adapters.retire(self.adapters_in_use())
+        if handles:
+            if self._group:
+                self.engine.use_adapters([])
+                self._group = ""
+            for handle in handles:
+                self.engine.free_adapter(handle)
+
     def _replan(self, plan: TickPlan, token_budget: int) -> TickPlan:
         """The same tick's batch planned again within ``token_budget`` (KV pressure)."""
         again = TickPlan(plan.tick, token_budget, admitted=plan.admitted, cancelled=plan.cancelled,
                          preempted=plan.preempted, resumed=plan.resumed)
-        self._plan_batch(again)
+        self._plan_batch(again, plan.group)
         return again
 
     @staticmethod
@@ -899,6 +964,9 @@ class Scheduler:
         self.counters["ticks"] += 1
         self.tick_rows = []
         n_tokens = plan.n_tokens
+        self.group_tokens[plan.group] += n_tokens
+        if plan.group and self.adapters is not None:
+            self.adapters.count_tokens(plan.rows[0].request.adapter.id, n_tokens)
         decode_tokens = len(plan.decoding())
         return TickStats(
             tick=self._tick,

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wire.sampling import SamplingParams
 
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from .adapters import AdapterUse
 
 
 class Status(IntEnum):
@@ -85,6 +88,7 @@ class Request:
     continuation: Continuation | None = None  # it carries on from what another daemon generated
     deadline: float | None = None  # the scheduler's clock (monotonic); past it: ends with timeout
     keep_tokens: bool = False  # a session's turn: its end carries the conversation's tokens
+    adapter: AdapterUse | None = None  # its LoRA adapter (core/adapters.py); None: the base
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +123,12 @@ class RequestState:
     # (prompt + output; None when not resuming), and its output length when it last got a slot.
     refill: list[int] | None = None
     run_start_tokens: int = 0
+    adapter: AdapterUse | None = None  # see Request
+
+    @property
+    def group(self) -> str:
+        """Its adapter group ("" for the base model): one group's rows share a decode."""
+        return self.adapter.group if self.adapter is not None else ""
 
     @property
     def fill_tokens(self) -> list[int]:

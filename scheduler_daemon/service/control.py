@@ -7,7 +7,8 @@ Two threads, both until the lifecycle reaches ``STOPPING``:
   to check before a job starts.
 - commands: ``llm:control:<daemon id>`` (``wire.protocol.CONTROL_ACTIONS``): ``drain``
   pauses the intake (``lifecycle``: SERVING -> PAUSING -> PAUSED), ``resume`` reopens it,
-  ``evict_scope`` drops one tenant's cached prefixes. A bad command is logged and ignored.
+  ``evict_scope`` drops one tenant's cached prefixes, ``unload_adapter`` unloads a deleted
+  adapter once no request holds it. A bad command is logged and ignored.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class Control:
                 self.lifecycle.wait_for({State.PAUSED, State.DRAINING}, DRAIN_WAIT_S)
         elif action == "resume":
             self.lifecycle.move(State.SERVING)
+        elif action == "unload_adapter":
+            self.core.adapters.delete(str(command["adapter"]))
+            self.core.scheduler.wake()  # unloaded at the next tick if no request holds it
         elif action == "evict_scope":
             evicted = self.core.scheduler.evict_scope(str(command["scope"]))
             if self.on_evict_scope is not None:

@@ -75,10 +75,16 @@ class FakeEngine:
         self.ops: list[tuple] = []
         self.fail_restore = False
         self.window_lost: set[int] = set()  # sequences whose early cells a sliding window dropped
+        # LoRA adapters: the set applied now, the set each decode ran under, loads and frees
+        self.adapters: list[tuple[object, float]] = []
+        self.decode_adapters: list[list[tuple[object, float]]] = []
+        self.loaded: list[str] = []
+        self.freed: list[object] = []
 
     def decode(self, rows: list[BatchRow], abortable: bool = False) -> int:
         rows = [BatchRow(r.seq_id, list(r.tokens), r.pos0, r.logits) for r in rows]
         self.calls.append(rows)
+        self.decode_adapters.append(list(self.adapters))
         if self.on_decode is not None:
             self.on_decode(rows)
         for r in rows:
@@ -137,3 +143,14 @@ class FakeEngine:
 
     def is_eog(self, token: int) -> bool:
         return token == EOG
+
+    def load_adapter(self, path: str) -> object:
+        self.loaded.append(path)
+        return f"handle:{path}"
+
+    def use_adapters(self, adapters: list[tuple[object, float]]) -> None:
+        self.adapters = list(adapters)
+
+    def free_adapter(self, handle: object) -> None:
+        assert all(h != handle for h, _ in self.adapters), "freed while the context applies it"
+        self.freed.append(handle)

@@ -55,3 +55,66 @@ def test_a_file_that_is_no_adapter_is_refused(gemma_engine, tmp_path):
     path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 16)  # a header with no tensors
     with pytest.raises(EngineError):
         gemma_engine.load_adapter(str(path))
+
+
+# -- requests with adapters through the core (core/adapters.py, the scheduler's groups) -----
+
+LONG = ("A library keeps its books on numbered shelves, and every shelf has a card that "
+        "lists the titles in order. ") * 12
+
+
+def adapter_spec(path, adapter_id: str = "ad_00000000000000a1", scale: float = 1.0) -> dict:
+    import hashlib
+
+    return {"id": adapter_id, "path": str(path), "scale": scale,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+@pytest.fixture
+def core(gemma_engine):
+    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
+    core.start()
+    yield core
+    core.stop(grace_s=0)
+    for handle in core.adapters.free_all():
+        gemma_engine.use_adapters([])
+        gemma_engine.free_adapter(handle)
+
+
+def ask(core, prompt=PROMPT, adapter=None, scope="t1", max_tokens=10, **kw):
+    return core.submit(prompt=prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                       cache_scope=scope, adapter=adapter, **kw)
+
+
+def test_an_adapters_requests_decode_apart_from_the_base_models_in_the_same_ticks(
+        core, adapter_file):
+    spec = adapter_spec(adapter_file)
+    base_alone = ask(core, cache_prompt=False).result(timeout=120).text
+    tuned_alone = ask(core, adapter=spec, cache_prompt=False).result(timeout=120).text
+    assert tuned_alone != base_alone
+    # both at once, twice over: each group decodes alone, so each gets its own output
+    handles = [ask(core, adapter=spec if i % 2 else None, cache_prompt=False)
+               for i in range(4)]
+    texts = [h.result(timeout=120).text for h in handles]
+    assert texts == [base_alone, tuned_alone, base_alone, tuned_alone]
+    assert core.scheduler.counters["adapter_switches"] >= 3
+    summary = core.adapters.summary()
+    assert summary["loaded"] == [spec["id"]] and summary["loads"] == {spec["id"]: 1}
+    assert summary["tokens"][spec["id"]] > 0
+
+
+def test_a_prefix_cached_under_an_adapter_is_reused_only_under_it_at_its_scale(
+        core, adapter_file):
+    spec = adapter_spec(adapter_file)
+
+    def cached(adapter, scope="t1") -> int:
+        done = ask(core, LONG, adapter=adapter, scope=scope, max_tokens=2,
+                   cache_prompt=True).result(timeout=120)
+        return done.finished.stats.cached_tokens
+
+    assert cached(spec) == 0  # the first: computed under the adapter
+    assert cached(spec) > 200  # the same again: a hit
+    assert cached(None) == 0  # without the adapter: computed again
+    assert cached({**spec, "scale": 0.5}) == 0  # another scale: again
+    assert cached(spec, scope="t2") == 0  # another tenant, the same adapter: again
+    assert cached(None) > 200 and cached({**spec, "scale": 0.5}) > 200  # each its own

@@ -1,0 +1,109 @@
+"""LoRA adapters in a real daemon (Gemma 3 270M, real Redis): a job's adapter is loaded on
+demand and changes the output; files that are not what they claim are refused with
+``adapter_unusable`` before llama.cpp reads them, and the daemon's pid never changes; an
+operator's ``unload_adapter`` unloads it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from config.models import SMOLLM2, default_path
+from tests.fixtures.lora_adapter import write_lora
+from tests.scheduler.conftest import model_path
+from wire import protocol
+
+pytestmark = pytest.mark.slow
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    good = write_lora(model_path(), folder / "gemma.gguf")
+    corrupt = folder / "corrupt.gguf"
+    data = bytearray(good.read_bytes())
+    data[200:260] = b"\xff" * 60  # the metadata and tensor index scrambled
+    corrupt.write_bytes(bytes(data))
+    foreign = write_lora(default_path(SMOLLM2), folder / "smollm2.gguf")
+    huge = folder / "huge.gguf"
+    with huge.open("wb") as f:
+        f.write(good.read_bytes()[:4096])
+        f.truncate((2 << 30) + 1)  # sparse: past adapter_check.MAX_FILE_BYTES
+    return {"good": good, "corrupt": corrupt, "foreign": foreign, "huge": huge}
+
+
+def spec(path, n: int, scale: float = 1.0, sha: str | None = None) -> dict:
+    if sha is None:
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"id": f"ad_{n:016x}", "path": str(path), "sha256": sha, "scale": scale}
+
+
+def text_of(daemon, job) -> tuple[str, dict]:
+    events = daemon.events(job.id)
+    kind, data = events[-1][1], events[-1][2]
+    text = "".join(d.get("text", "") for _, k, d in events if k == protocol.TOKEN)
+    return (text + data.get("text", "") if kind == protocol.DONE else ""), data
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    return make_daemon().start()
+
+
+def until(daemon, check, timeout_s: float = 30) -> dict:
+    """The daemon's published adapters summary once ``check`` holds (it beats every second)."""
+    deadline = time.monotonic() + timeout_s
+    while not check(adapters := daemon.snapshot().get("adapters", {"loaded": []})):
+        assert time.monotonic() < deadline, daemon.log_tail()
+        time.sleep(0.2)
+    return adapters
+
+
+def ask(daemon, adapter=None):
+    return daemon.enqueue(prompt=PROMPT, adapter=adapter, cache_prompt=False,
+                          params={"temperature": 0, "max_tokens": 8})
+
+
+def test_an_adapter_is_loaded_on_demand_and_changes_the_output(daemon, files):
+    base, _ = text_of(daemon, ask(daemon))
+    tuned, _ = text_of(daemon, ask(daemon, spec(files["good"], 1)))
+    assert base and tuned and tuned != base
+    again, _ = text_of(daemon, ask(daemon, spec(files["good"], 1)))
+    assert again == tuned
+    adapters = until(daemon, lambda a: a["loaded"] == ["ad_0000000000000001"])
+    assert adapters["loads"] == {"ad_0000000000000001": 1}  # once for both requests
+    assert adapters["tokens"]["ad_0000000000000001"] > 0
+
+
+@pytest.mark.parametrize("name", ["corrupt", "foreign", "huge", "changed"])
+def test_a_file_that_fails_the_check_is_refused_and_the_daemon_lives(daemon, files, name):
+    pid = daemon.snapshot()["pid"]
+    if name == "changed":  # the registered hash is another file's
+        adapter = spec(files["good"], 9, sha="0" * 64)
+    elif name == "huge":
+        adapter = spec(files["huge"], 3, sha="0" * 64)
+    else:
+        adapter = spec(files[name], 2 if name == "corrupt" else 4)
+    _, data = text_of(daemon, ask(daemon, adapter))
+    assert data["code"] == "adapter_unusable"
+    assert str(files[name if name != "changed" else "good"]) not in data["message"]
+    assert daemon.snapshot()["pid"] == pid and daemon.proc.poll() is None
+    text, _ = text_of(daemon, ask(daemon))  # and it serves on
+    assert text
+
+
+def test_unload_adapter_unloads_it_and_it_is_never_loaded_again(daemon, files):
+    adapter = spec(files["good"], 5)
+    text_of(daemon, ask(daemon, adapter))
+    until(daemon, lambda a: "ad_0000000000000005" in a["loaded"])
+    daemon.redis.xadd(protocol.control_stream(daemon.daemon_id),
+                      protocol.encode_command("unload_adapter", adapter=adapter["id"]))
+    adapters = until(daemon, lambda a: "ad_0000000000000005" not in a["loaded"])
+    assert adapters["unloads"]["ad_0000000000000005"] == 1
+    _, data = text_of(daemon, ask(daemon, adapter))
+    assert data["code"] == "adapter_unusable"
+    assert os.path.exists(files["good"])  # unloading never touches the file

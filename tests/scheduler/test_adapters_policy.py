@@ -1,0 +1,176 @@
+"""Adapter groups in the scheduler, and the adapter registry's loading policy, on the fake
+engine (no model; tests/scheduler/test_adapters_engine.py runs the same on Gemma): one
+group's rows per decode, the context's adapter set switched only between groups, turns
+round-robin between groups, adapters freed only when no request holds them and the
+context no longer applies them, a cap on loaded adapters, a tenant's eviction reaching
+its adapters' scopes."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_daemon.core import adapters as adapters_module
+from scheduler_daemon.core.adapters import AdapterRegistry, AdapterUse, scoped
+from scheduler_daemon.core.state import Request
+from wire.errors import Refusal
+from wire.sampling import SamplingParams
+
+from .fake_engine import FakeEngine
+
+
+def use(adapter_id: str, scale: float = 1.0) -> AdapterUse:
+    return AdapterUse(adapter_id, scale, f"lora:{adapter_id}@{scale!r}", f"handle:{adapter_id}")
+
+
+def req(rid: str, adapter: AdapterUse | None = None, prompt: int = 4, max_tokens: int = 6,
+        scope: str = "T") -> Request:
+    return Request(id=rid, prompt_tokens=list(range(10, 10 + prompt)),
+                   params=SamplingParams(max_tokens=max_tokens), cache_scope=scoped(scope, adapter),
+                   cache_prompt=False, adapter=adapter)
+
+
+def groups_of(h) -> list[set[str]]:
+    """Per decoded tick, the groups of its rows."""
+    return [{r.request.group for r in plan.rows} for plan in h.plans if plan.rows]
+
+
+def test_one_group_per_decode_and_the_context_applies_its_adapter(harness):
+    h = harness(FakeEngine(n_seq_max=6), max_queue=16)
+    a, b = use("ad_a"), use("ad_b", 0.5)
+    for rid, adapter in [("base1", None), ("a1", a), ("b1", b), ("a2", a), ("base2", None)]:
+        h.scheduler.submit(req(rid, adapter))
+    h.run()
+    assert all(len(g) == 1 for g in groups_of(h))  # never two groups in one decode
+    for plan, applied in zip([p for p in h.plans if p.rows], h.engine.decode_adapters,
+                             strict=True):
+        [group] = {r.request.group for r in plan.rows}
+        expected = {"": [], a.group: [(a.handle, 1.0)], b.group: [(b.handle, 0.5)]}[group]
+        assert applied == expected
+    for rid in ("base1", "a1", "b1", "a2", "base2"):
+        assert h.finished(rid).finish_reason == "length"
+
+
+def test_groups_take_turns_a_flood_on_one_adapter_delays_the_base_by_one_turn(harness):
+    h = harness(FakeEngine(n_ctx=8192, n_seq_max=8), max_queue=32)
+    flood = use("ad_flood")
+    for i in range(6):
+        h.scheduler.submit(req(f"f{i}", flood, max_tokens=20, scope="F"))
+    for _ in range(3):
+        h.step()
+    h.scheduler.submit(req("base", None, max_tokens=6, scope="B"))
+    ticks_until_done = 0
+    while h.finished("base") is None:
+        h.step()
+        ticks_until_done += 1
+    turns = [g for g in groups_of(h)[3:]]
+    # from its arrival the base group decodes every other tick: one flood turn between two
+    base_ticks = [i for i, g in enumerate(turns) if g == {""}]
+    assert base_ticks and all(b - a == 2 for a, b in zip(base_ticks, base_ticks[1:], strict=False))
+    assert base_ticks[0] <= 1  # its first turn is this tick or the next
+    assert ticks_until_done <= 2 * len(base_ticks)  # prefill + 6 tokens, each a turn apart
+    h.run()
+
+
+def test_switching_happens_only_between_groups(harness):
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    a = use("ad_a")
+    h.scheduler.submit(req("a1", a, max_tokens=10))
+    h.scheduler.submit(req("a2", a, max_tokens=10))
+    h.run()
+    assert h.scheduler.counters["adapter_switches"] == 1  # on once, never again
+    assert h.scheduler.group_tokens[a.group] > 0
+
+
+class FakeLoads:
+    """The registry's file checks replaced (pure policy): every file passes, its hash is its
+    name's."""
+
+    def __init__(self, monkeypatch) -> None:
+        monkeypatch.setattr(adapters_module, "read_shapes", lambda path: ("gemma3", {}))
+        monkeypatch.setattr(adapters_module, "check_adapter", lambda path, base: None)
+        monkeypatch.setattr(adapters_module, "_sha256", lambda path: "0" * 64)
+
+
+def spec(adapter_id: str, scale: float = 1.0) -> dict:
+    return {"id": adapter_id, "path": f"/adapters/{adapter_id}.gguf", "sha256": "0" * 64,
+            "scale": scale}
+
+
+def test_the_registry_loads_once_keeps_a_cap_and_frees_only_what_no_request_holds(
+        harness, monkeypatch):
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    engine = h.engine
+    registry = AdapterRegistry(engine, "base.gguf", 2, h.scheduler.adapters_in_use)
+    h.scheduler.adapters = registry
+
+    def submit(rid: str, adapter_id: str) -> None:
+        with registry.hold(spec(adapter_id)) as u:
+            h.scheduler.submit(req(rid, u, max_tokens=3))
+
+    submit("a1", "ad_a")
+    submit("a2", "ad_a")
+    submit("b1", "ad_b")
+    assert engine.loaded == ["/adapters/ad_a.gguf", "/adapters/ad_b.gguf"]  # a once
+    with pytest.raises(Refusal) as refused:  # two loaded, both held by queued requests
+        submit("c1", "ad_c")
+    assert refused.value.code == "adapters_busy"
+    h.run()  # a and b finish: nothing holds them
+    submit("c1", "ad_c")  # the least recently used (a) makes room
+    h.step()  # a is freed before the tick decodes, off the context first
+    assert engine.freed == ["handle:/adapters/ad_a.gguf"]
+    assert registry.summary()["loaded"] == ["ad_b", "ad_c"]
+    h.run()
+    assert registry.unloads["ad_a"] == 1 and registry.loads["ad_c"] == 1
+    assert registry.tokens["ad_c"] > 0
+
+
+def test_a_deleted_adapter_is_unloaded_when_its_requests_end_and_never_loaded_again(
+        harness, monkeypatch):
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
+    h.scheduler.adapters = registry
+    with registry.hold(spec("ad_a")) as u:
+        h.scheduler.submit(req("a1", u, max_tokens=5))
+    h.step()
+    h.step()
+    registry.delete("ad_a")
+    h.step()
+    assert h.engine.freed == []  # a1 still runs under it
+    h.run()
+    h.scheduler.schedule()  # the next tick frees it
+    assert h.engine.freed == ["handle:/adapters/ad_a.gguf"]
+    assert h.finished("a1").finish_reason == "length"
+    with pytest.raises(Refusal) as refused:
+        with registry.hold(spec("ad_a")):
+            pass
+    assert refused.value.code == "adapter_unusable"
+
+
+def test_a_file_that_is_not_the_registered_one_is_refused_before_llama_cpp_sees_it(
+        harness, monkeypatch, tmp_path):
+    monkeypatch.setattr(adapters_module, "read_shapes", lambda path: ("gemma3", {}))
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
+    path = tmp_path / "a.gguf"
+    path.write_bytes(b"changed since it was registered")
+    with pytest.raises(Refusal) as refused:
+        with registry.hold({**spec("ad_a"), "path": str(path)}):
+            pass
+    assert refused.value.code == "adapter_unusable"
+    assert h.engine.loaded == []
+
+
+def test_a_tenants_eviction_reaches_its_adapters_scopes_and_no_one_elses(harness):
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8, cache_prompt=True)
+    a = use("ad_a")
+    for rid, adapter, scope in [("t", None, "T"), ("ta", a, "T"), ("other", None, "TT")]:
+        r = req(rid, adapter, prompt=40, max_tokens=2, scope=scope)
+        r.cache_prompt = True
+        h.scheduler.submit(r)
+    h.run()
+    held = {s.scope for s in h.scheduler.slots() if s.tokens}
+    assert held == {"T", scoped("T", a), "TT"}
+    assert h.scheduler.evict_scope("T") == 2
+    assert {s.scope for s in h.scheduler.slots() if s.tokens} == {"TT"}
