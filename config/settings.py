@@ -369,6 +369,9 @@ PROMPT_CACHE_DIR = env_str("PROMPT_CACHE_DIR", str(BASE_DIR / "var" / "prompt-ca
 PROMPT_CACHE_DISK_MB = env_int("PROMPT_CACHE_DISK_MB", 2048)
 PROMPT_CACHE_DISK_MIN_TOKENS = env_int("PROMPT_CACHE_DISK_MIN_TOKENS", 256)
 PROMPT_CACHE_SHUTDOWN_S = env_float("PROMPT_CACHE_SHUTDOWN_S", 5.0)
+# Tenants' LoRA adapters (docs/adapters.md): every registered file lies inside ADAPTERS_DIR
+# (checked when it is registered); the web and the daemons must see it at the same path.
+ADAPTERS_DIR = env_str("ADAPTERS_DIR", str(BASE_DIR / "var" / "adapters"))
 # (daemon) LoRA adapters a daemon holds loaded at once (the least recently used one no
 # request holds is unloaded for a new one; all in use: 503 adapters_busy). docs/scheduler.md.
 MAX_LOADED_ADAPTERS = env_int("MAX_LOADED_ADAPTERS", 8)

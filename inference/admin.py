@@ -2,9 +2,9 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from inference import broker
+from inference import adapters, broker
 from inference.admin_live import log_action
-from inference.models import InferenceRequest
+from inference.models import Adapter, InferenceRequest
 
 ACTIVE = [InferenceRequest.Status.QUEUED, InferenceRequest.Status.RUNNING]
 
@@ -41,3 +41,35 @@ class InferenceRequestAdmin(admin.ModelAdmin):
             broker.publish_cancel_sync(str(row.id))
             log_action(request, f"Cancelled request {row.id}", row, repr_=str(row))
         self.message_user(request, f"Cancel sent for {len(rows)} request(s).", messages.SUCCESS)
+
+
+@admin.register(Adapter)
+class AdapterAdmin(admin.ModelAdmin):
+    """Tenants' LoRA adapters (docs/adapters.md). Adding one checks its file (inside
+    ADAPTERS_DIR, a LoRA for the base model); afterwards only its default scale changes.
+    Deleting one sends ``unload_adapter`` to the live daemons of its model."""
+
+    list_display = ["__str__", "tenant", "model", "key", "default_scale", "rank", "size_bytes",
+                    "loaded_on", "created"]
+    list_filter = ["tenant", "model"]
+    list_select_related = ["tenant"]
+    search_fields = ["name", "key", "model", "tenant__slug"]
+    ADDED_FIELDS = ["tenant", "model", "name", "file", "key", "sha256", "size_bytes", "rank",
+                    "alpha", "created"]
+
+    def get_fields(self, request: HttpRequest, obj: Adapter | None = None) -> list[str]:
+        if obj is None:
+            return ["tenant", "model", "name", "file", "default_scale"]
+        return [*self.ADDED_FIELDS, "default_scale", "loaded_on"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Adapter | None = None) -> list[str]:
+        return [] if obj is None else [*self.ADDED_FIELDS, "loaded_on"]
+
+    @admin.display(description="loaded on")
+    def loaded_on(self, obj: Adapter) -> str:
+        """The live daemons whose snapshot lists it loaded."""
+        try:
+            daemons = adapters.loaded_on().get(obj.key, [])
+        except Exception:  # a page of the admin answers when Redis does not
+            return "?"
+        return ", ".join(daemons) or "-"

@@ -95,7 +95,8 @@ class CompletionView(APIView):
         else:  # a retry of the key's request gets that request (a Replay), not a new one
             submission = await idempotency.submit(request.auth, parsed, key,
                                                   idempotency.body_digest(self.kind, body))
-        formatter = Formatter(self.kind, submission.request_id, submission.model,
+        # the model as the client named it: "<base>:<adapter>" for an adapter's reply
+        formatter = Formatter(self.kind, submission.request_id, parsed.shown_model,
                               submission.created, parsed.include_usage, parsed.tool_plan,
                               parsed.choices, parsed.session_id)
         replay = submission if isinstance(submission, idempotency.Replay) else None
@@ -152,7 +153,7 @@ class EmbeddingsView(APIView):
                    tags=["embeddings"], request=EmbeddingsRequestSerializer,
                    parameters=[REQUEST_ID, RETRY_AFTER],
                    responses={200: EmbeddingsResponseSerializer,
-                              **error_responses(400, 401, 405, 429, 500, 503)})
+                              **error_responses(400, 401, 404, 405, 429, 500, 503)})
     async def post(self, request: Request) -> JsonResponse:
         parsed, encoding = parse_embeddings_request(_json_body(request))
         submission = await service.submit(request.auth, parsed)
@@ -174,7 +175,7 @@ class TokenizeView(VocabularyView):
                    tags=["vocabulary"], request=TokenizeRequestSerializer,
                    parameters=[REQUEST_ID, RETRY_AFTER],
                    responses={200: TokenizeResponseSerializer,
-                              **error_responses(400, 401, 405, 429, 500, 503)})
+                              **error_responses(400, 401, 404, 405, 429, 500, 503)})
     async def post(self, request: Request) -> JsonResponse:
         return await super().post(request)
 
@@ -188,7 +189,7 @@ class DetokenizeView(VocabularyView):
                    tags=["vocabulary"], request=DetokenizeRequestSerializer,
                    parameters=[REQUEST_ID, RETRY_AFTER],
                    responses={200: DetokenizeResponseSerializer,
-                              **error_responses(400, 401, 405, 429, 500, 503)})
+                              **error_responses(400, 401, 404, 405, 429, 500, 503)})
     async def post(self, request: Request) -> JsonResponse:
         return await super().post(request)
 

@@ -291,7 +291,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                 await broker.publish_cancel(queued.request_id)
             submission = await service.answer(queued)
             await self._relay(client_id, queued.request_id, service.events(submission),
-                              parsed.session_id)
+                              parsed.session_id, parsed.shown_model)
         finally:
             queued.release()
 
@@ -304,14 +304,16 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         events = await service.resume(self.api_key, row, after)  # 404 expired, 429, 503
         try:  # its place and slot, held from the resume to the end of its events
             run.request_id = request_id
-            await self._relay(client_id, request_id, events)
+            await self._relay(client_id, request_id, events, model=row.model)
         finally:  # also when cancelled before _relay started them
             await events.aclose()
 
     async def _relay(self, client_id: Any, request_id: str,
                      events: AsyncIterator[StreamEvent | None],
-                     session_id: str | None = None) -> None:
-        """``session_id``: a session's turn (its accepted and last messages name it)."""
+                     session_id: str | None = None, model: str | None = None) -> None:
+        """``session_id``: a session's turn (its accepted and last messages name it);
+        ``model``: the model its accepted message names, as the client named it (an
+        adapter's ``<base>:<adapter>``)."""
         async with service.CancelIfAbandoned(request_id) as guard, aclosing(events) as stream:
             async for event in stream:
                 if event is not None:
@@ -321,6 +323,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                         if run is not None:
                             run.ended = True
                     message = _message(client_id, request_id, event)
+                    if model is not None and event.kind == protocol.ACCEPTED:
+                        message["model"] = model
                     if session_id is not None and (event.is_terminal
                                                    or event.kind == protocol.ACCEPTED):
                         message["session_id"] = session_id

@@ -72,6 +72,12 @@ class ApiError(exceptions.APIException):
                    headers=headers, **details)
 
 
+def model_not_found(sent: str, param: str = "model") -> ApiError:
+    """404 ``model_not_found``: one message for every model (or adapter) the key cannot use,
+    whether nobody has it or another tenant does (no oracle)."""
+    return ApiError(codes.MODEL_NOT_FOUND, f"The model '{sent}' does not exist.", param)
+
+
 def invalid(param: str | None, message: str,
             code: str = codes.INVALID_REQUEST_ERROR) -> ApiError:
     """A 400 naming the field; ``code`` refines ``invalid_request_error`` (and has its

@@ -17,7 +17,7 @@ import hmac
 import ipaddress
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.conf import settings
@@ -45,6 +45,10 @@ DAEMON_REFUSALS = {
 # a daemon counter's name as the code spells it (a snapshot is the daemon's, never a tenant's
 # text, but a name past this shape is not exported: the label set stays bounded)
 COUNTER_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# adapters are labelled by their public id only (never a tenant's name for one), at most
+# MAX_ADAPTERS_PER_DAEMON of them per daemon and family
+ADAPTER_ID = re.compile(r"ad_[0-9a-f]{16}")
+MAX_ADAPTERS_PER_DAEMON = 256
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 TTFT = Histogram(
@@ -89,6 +93,7 @@ class DaemonCollector(Collector):
             log.warning("metrics: could not read Redis", exc_info=True)
             snapshots, refusals = [], {}
         yield from _daemon_metrics(snapshots)
+        yield from _adapter_metrics(snapshots)
         yield _route_metrics(sorted({str(s.get("model")) for s in snapshots}))
         limit_refusals = CounterMetricFamily(
             "llm_limit_refusals", "Requests refused by tenant limits, by code.", labels=["code"]
@@ -263,6 +268,45 @@ def _daemon_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
         longest,
         restarts,
     )
+
+
+def _adapter_metrics(snapshots: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per daemon and adapter id: loads, unloads, tokens served, and which are loaded now
+    (a snapshot's ``adapters``; absent: none)."""
+    labels = ["daemon", "model", "adapter"]
+    counters = {
+        "loads": CounterMetricFamily("llm_adapter_loads", "Times a daemon loaded an adapter.",
+                                     labels=labels),
+        "unloads": CounterMetricFamily("llm_adapter_unloads", "Times a daemon unloaded an "
+                                       "adapter (LRU, or its deletion).", labels=labels),
+        "tokens": CounterMetricFamily("llm_adapter_tokens", "Tokens a daemon computed under an "
+                                      "adapter (prompt and generated).", labels=labels),
+    }
+    loaded = GaugeMetricFamily("llm_adapter_loaded", "1 for each adapter a daemon holds "
+                               "loaded.", labels=labels)
+    for snap in snapshots:
+        key = [str(snap.get("daemon_id", "")), str(snap.get("model", ""))]
+        found = snap.get("adapters")
+        if not isinstance(found, dict):
+            continue
+        for field, family in counters.items():
+            counts = found.get(field)
+            if isinstance(counts, dict):
+                for adapter, count in _adapter_ids(counts.items()):
+                    family.add_metric([*key, adapter], count)
+        ids = found.get("loaded")
+        if isinstance(ids, list):
+            for adapter, _ in _adapter_ids((i, 1) for i in ids):
+                loaded.add_metric([*key, adapter], 1)
+    yield from (*counters.values(), loaded)
+
+
+def _adapter_ids(items: Iterable[tuple[Any, Any]]) -> list[tuple[str, float]]:
+    """(id, number) pairs whose id is an adapter id and number a number, the first
+    MAX_ADAPTERS_PER_DAEMON by id."""
+    kept = {i: v for i, v in items if isinstance(i, str) and ADAPTER_ID.fullmatch(i)
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return sorted(kept.items())[:MAX_ADAPTERS_PER_DAEMON]
 
 
 REGISTRY.register(DaemonCollector())

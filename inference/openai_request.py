@@ -23,6 +23,7 @@ from django.conf import settings
 
 from inference import tools
 from inference.errors import ApiError, invalid
+from inference.models import MAX_ADAPTER_SCALE, MIN_ADAPTER_SCALE, is_adapter_scale
 from wire import affinity, protocol, sessions
 from wire.errors import CONTEXT_LENGTH_EXCEEDED, NO_SESSION, InvalidParameter
 from wire.messages import parse_messages
@@ -38,6 +39,7 @@ MAX_JSON_DEPTH = 64
 _COMMON = {
     "model", "stream", "stream_options", "n", "max_completion_tokens", "response_format",
     "cache_prompt", "session", "user", "cache_scope", "timeout", "session_id", "continue",
+    "lora",
 } | FIELD_NAMES
 
 
@@ -102,6 +104,21 @@ class ParsedRequest:
     # "continue" (prompt/messages are only the new turn), "reset" (a full history)
     session_id: str | None = None
     session_mode: str | None = None
+    # a tenant's adapter (docs/adapters.md): ``model`` is the base model; what the client
+    # sent as ``model``; the adapter ``<base>:<name>`` names, ``lora``'s name and scale;
+    # once resolved (inference/adapters.py) the adapter's name and the job's ``adapter``
+    model_sent: str = ""
+    alias_name: str | None = None
+    lora_name: str | None = None
+    lora_scale: float | None = None
+    adapter_name: str | None = None
+    adapter: dict[str, Any] | None = None
+
+    @property
+    def shown_model(self) -> str:
+        """The model replies and the history name: ``<base>:<adapter>`` or the base."""
+        name = self.adapter_name or self.alias_name or self.lora_name
+        return f"{self.model}:{name}" if name else self.model
 
     @property
     def choices(self) -> int:
@@ -126,6 +143,7 @@ class ParsedRequest:
             prompts=self.prompts,
             session_id=self.session_id,
             continue_session=self.session_mode == "continue",
+            adapter=self.adapter,
             **self._routing(tenant_id),
         )
 
@@ -135,8 +153,8 @@ class ParsedRequest:
         if self.kind not in (protocol.COMPLETION_KIND, protocol.CHAT_KIND):
             return {}
         salt = _tenant_salt(tenant_id)
-        chain = affinity.chain(salt, affinity.prompt_text(self.prompt, self.messages,
-                                                          self.prompts))
+        text = affinity.prompt_text(self.prompt, self.messages, self.prompts)
+        chain = affinity.job_chain(salt, text, protocol.adapter_tag(self.adapter))
         return {"affinity": chain or None,
                 "session_hash": affinity.session_hash(salt, self.session) if self.session
                 else None}
@@ -196,6 +214,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         raise invalid(None, "The request body must be a JSON object.")
     _refuse_unknown(kind, body)
     parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
+    _adapter_choice(parsed, body.get("lora"))
     parsed.stream = _bool(body, "stream", False)
     parsed.include_usage = _include_usage(body.get("stream_options"))
     if _present(body, "n"):
@@ -238,6 +257,29 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     parsed.timeout_s = _timeout(body.get("timeout"))
     _session_turn(parsed, body)
     return parsed
+
+
+def _adapter_choice(parsed: ParsedRequest, lora: Any) -> None:
+    """``"model": "<base>:<adapter>"`` and ``"lora": {"name": ..., "scale": ...}`` (both
+    optional; the scale a finite number in (0, MAX_ADAPTER_SCALE]); which adapter they name
+    is resolved with the tenant's rows when the request is queued (inference/adapters.py)."""
+    parsed.model_sent = parsed.model
+    if ":" in parsed.model:
+        parsed.model, _, parsed.alias_name = parsed.model.rpartition(":")
+    if lora is None:
+        return
+    if not isinstance(lora, dict) or not set(lora) <= {"name", "scale"}:
+        raise invalid("lora", 'lora must be an object {"name": <adapter>, "scale": <number>} '
+                              "(scale optional).")
+    name, scale = lora.get("name"), lora.get("scale")
+    if not isinstance(name, str) or not name:
+        raise invalid("lora", "lora.name must be the name of one of your adapters.")
+    parsed.lora_name = _text("lora", name, nul=False)
+    if scale is not None:
+        if not is_adapter_scale(scale):
+            raise invalid("lora", f"lora.scale must be a number more than {MIN_ADAPTER_SCALE:g} "
+                                  f"and at most {MAX_ADAPTER_SCALE:g}.")
+        parsed.lora_scale = float(scale)
 
 
 def _session_turn(parsed: ParsedRequest, body: dict[str, Any]) -> None:

@@ -23,9 +23,9 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
-from inference import broker, db, history, limits, metrics, watch
+from inference import adapters, broker, db, history, limits, metrics, watch
 from inference.broker import StreamEvent
-from inference.errors import ApiError, invalid, unavailable
+from inference.errors import ApiError, invalid, model_not_found, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import errors, ownership, protocol, sessions
@@ -89,19 +89,22 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     """Create the history row and queue a checked request for a daemon of its model; its
     reader holds a place in this process from here (``broker.take_place``).
 
-    Raises ApiError: 400 unknown model; 503 no live daemon serves it; 429 over a tenant limit
+    Raises ApiError: 404 ``model_not_found`` for a model no daemon serves (or an adapter the
+    key's tenant does not have: inference/adapters.py); 503 no live daemon serves a model of
+    ``MODELS``; 429 over a tenant limit
     or the tenant's share of this process's readers; 503 ``service_unavailable``
     (Retry-After) when this process is full, or Redis does not answer or refuses: no row is
     left queued (one already made is closed as failed) and the slot is released.
     """
     try:
+        await adapters.resolve(api_key, parsed)
         served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
     except redis.RedisError as exc:
         raise _redis_unavailable(exc) from exc
     if not served:
         if parsed.model in settings.MODELS:  # configured, its daemon not up (yet)
             raise unavailable(parsed.model)
-        raise invalid("model", f"The model {parsed.model!r} does not exist.", "model_not_found")
+        raise model_not_found(parsed.model_sent or parsed.model)
     request_id = parsed.request_id or str(uuid.uuid4())  # an Idempotency-Key claim's id
     # 429/503 before anything is admitted when the tenant's share or this process is full
     place = broker.take_place(str(api_key.tenant_id), request_id)
@@ -335,7 +338,7 @@ def _reservation(parsed: ParsedRequest) -> int:
 def _record(api_key: ApiKey, parsed: ParsedRequest, request_id: str) -> InferenceRequest:
     """An admitted request's history row (on the database thread)."""
     return history.create(request_id, api_key.tenant_id, api_key.pk, parsed.kind,
-                          parsed.model, parsed.session)
+                          parsed.shown_model, parsed.session)
 
 
 async def answer(queued: Queued) -> Submission:
@@ -596,7 +599,8 @@ async def resume(api_key: ApiKey, row: InferenceRequest, after: str) -> ReaderEv
     except BaseException:
         place.release()
         raise
-    events = _renewing_slot(follow(request_id, after, row.model), tenant_id, member)
+    events = _renewing_slot(follow(request_id, after, adapters.base_of(row.model)), tenant_id,
+                            member)
     return ReaderEvents(events, place, (tenant_id, member))
 
 

@@ -23,8 +23,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.models import Tenant
-from inference import broker, db, limits
+from inference import adapters, broker, db, limits
 from inference.auth import ApiKeyAuthentication
+from inference.errors import model_not_found
 from inference.health import health_report, model_list, public_health
 from inference.models import InferenceRequest
 from inference.openapi import error_responses
@@ -34,6 +35,8 @@ MODEL_FIELDS = {
     "id": serializers.CharField(), "object": serializers.CharField(),
     "created": serializers.IntegerField(), "owned_by": serializers.CharField(),
     "embeddings": serializers.BooleanField(help_text="its daemon serves /v1/embeddings"),
+    "parent": serializers.CharField(required=False,
+                                    help_text="an adapter's base model (its id: <base>:<name>)"),
 }
 MODEL = inline_serializer("Model", MODEL_FIELDS)
 MODEL_LIST = inline_serializer("ModelList", {
@@ -70,24 +73,31 @@ def _is_staff_session(session_key: str) -> bool:
     return user.is_active and user.is_staff
 
 
+def _key_models(request: Request) -> list[dict]:
+    """The models live daemons serve, then the key's tenant's adapters of them."""
+    served = model_list()
+    return served + adapters.model_entries(request.auth.tenant_id, served)
+
+
 class ModelListView(APIView):
-    """GET /v1/models: the models live daemons serve."""
+    """GET /v1/models: the models live daemons serve, and the key's tenant's adapters of
+    them (``<base>:<name>``)."""
 
     @extend_schema(responses={200: MODEL_LIST, **error_responses(401)},
-                   summary="Models live daemons serve")
+                   summary="Models live daemons serve, and the tenant's adapters of them")
     def get(self, request: Request) -> Response:
-        return Response({"object": "list", "data": model_list()})
+        return Response({"object": "list", "data": _key_models(request)})
 
 
 class ModelDetailView(APIView):
-    """GET /v1/models/<model>"""
+    """GET /v1/models/<model>: another tenant's adapter is 404 like an unknown model."""
 
     @extend_schema(responses={200: MODEL, **error_responses(401, 404)}, summary="One model",
                    operation_id="models_detail")
     def get(self, request: Request, model: str) -> Response:
-        found = next((m for m in model_list() if m["id"] == model), None)
+        found = next((m for m in _key_models(request) if m["id"] == model), None)
         if found is None:
-            raise exceptions.NotFound(f"The model {model!r} does not exist.", "model_not_found")
+            raise model_not_found(model)
         return Response(found)
 
 

@@ -19,5 +19,10 @@ if "PROMPT_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["PROMPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="prompt-cache-test-")
+# Adapters are registered from a folder of the test run's (tests make their files there).
+if "ADAPTERS_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["ADAPTERS_DIR"] = tempfile.mkdtemp(prefix="adapters-test-")
 
 from config.settings import *  # noqa: E402,F403

@@ -117,9 +117,11 @@ def test_wrong_method_is_405(api, parties):
     assert error_of(response, 405)["code"] == "method_not_allowed"
 
 
-def test_unknown_model_is_400_naming_model(api, parties, standin):
-    error = error_of(post(api, CHAT, {"model": "gpt-9", "messages": HELLO}, parties.owner))
+def test_unknown_model_is_404_naming_model(api, parties, standin):
+    """OpenAI answers an unknown model 404 ``model_not_found``."""
+    error = error_of(post(api, CHAT, {"model": "gpt-9", "messages": HELLO}, parties.owner), 404)
     assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert error["message"] == "The model 'gpt-9' does not exist."
 
 
 def test_no_live_daemon_is_503_and_nothing_is_queued(api, parties, settings):

@@ -11,7 +11,13 @@ count (at most ``MAX_PIECES``). So:
 - the same text sent by another tenant hashes to other values (another salt): a daemon's
   summary of what tenant A sent never matches anything tenant B sends, and a hash reveals
   nothing about the text without the secret;
-- the session (``session`` or ``user``) is hashed under the same salt for its key.
+- the session (``session`` or ``user``) is hashed under the same salt for its key;
+- a job with an adapter (``protocol.adapter_tag``: the file's hash and the scale) hashes
+  its pieces under a salt of the tenant's and the tag's, so a prefix computed under one
+  adapter and scale never matches another's or the base model's; its chain starts with a
+  head hash of the tenant and the tag alone (``adapter_head``), which a daemon keeps in its
+  summary while it has that adapter loaded: a job whose text matches nowhere still goes to
+  a daemon that has its adapter (``job_chain``).
 
 Daemons record the chains of the jobs they start in their summary
 (``llm:affinity:<daemon>``, bounded per tenant: ``scheduler_daemon/core/affinity.py``); the
@@ -80,3 +86,23 @@ def chain(salt: bytes, text: str) -> list[str]:
 def session_hash(salt: bytes, session: str) -> str:
     return hashlib.blake2b(b"session\x00" + session.encode("utf-8", "surrogatepass"),
                            key=salt[:64], digest_size=HASH_BYTES).hexdigest()
+
+
+def adapter_salt(salt: bytes, tag: str) -> bytes:
+    """The salt of a tenant's jobs under an adapter (``tag``: ``protocol.adapter_tag``)."""
+    return hmac.new(salt, b"adapter\x00" + tag.encode(), hashlib.sha256).digest()
+
+
+def adapter_head(salt: bytes, tag: str) -> str:
+    """The hash an adapter job's chain starts with: the tenant's and the adapter's alone."""
+    return hashlib.blake2b(b"adapter-head\x00" + tag.encode(), key=salt[:64],
+                           digest_size=HASH_BYTES).hexdigest()
+
+
+def job_chain(salt: bytes, text: str, tag: str = "") -> list[str]:
+    """A job's affinity chain: ``chain`` of its text under the tenant's salt (the base
+    model: ``tag`` ""), or, under an adapter, its head hash then the chain under
+    ``adapter_salt`` (at most MAX_PIECES in all)."""
+    if not tag:
+        return chain(salt, text)
+    return [adapter_head(salt, tag), *chain(adapter_salt(salt, tag), text)][:MAX_PIECES]

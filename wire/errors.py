@@ -51,11 +51,11 @@ CODES: dict[str, ErrorCode] = _codes(
      "KV memory than one request may reserve (the KV budget, a tenant's share); priced "
      "(estimated_bytes, limit_bytes)"),
     ("request_quarantined", 400, "it stopped the daemon twice (an operator may release it)"),
-    ("model_not_found", 400, "no such model"),
     ("session_model_mismatch", 400, "the session holds a conversation with another model"),
     ("invalid_api_key", 401, "no key, or not a usable one"),
     ("permission_denied", 403, "the key may not do this"),
     ("not_found", 404, "no such resource (or another tenant's)"),
+    ("model_not_found", 404, "no such model, or an adapter the key's tenant does not have"),
     ("events_expired", 404, "the request's event stream has expired"),
     ("no_session", 404, "no such session of the tenant (unknown, expired, deleted, or "
      "another tenant's): send the full history"),
@@ -109,6 +109,7 @@ ENGINE_ERROR = "engine_error"
 INTERNAL_ERROR = "internal_error"
 INFERENCE_INTERRUPTED = "inference_interrupted"
 SCHEDULER_UNAVAILABLE = "scheduler_unavailable"
+MODEL_NOT_FOUND = "model_not_found"
 REQUEST_QUARANTINED = "request_quarantined"
 TIMEOUT = "timeout"
 CANCELLED = "request_cancelled"
