@@ -80,17 +80,18 @@ def _sha256(path: str) -> str:
 class AdapterRegistry:
     """Thread-safe. ``engine``: ``load_adapter(path)``, ``free_adapter(handle)``;
     ``base_path``: the base model's file (its tensor shapes, read once);
-    ``in_use``: the adapter ids the scheduler's requests hold (waiting or running);
-    ``on_unload``: told an unloaded adapter's affinity head (the summary forgets it)."""
+    ``in_use``: the adapter ids the scheduler's requests hold (waiting or running). An
+    unloaded adapter's affinity head waits in ``take_unrouted`` for the heartbeat, which
+    drops it from the daemon's published summary (routing then stops preferring this
+    daemon for that adapter)."""
 
     def __init__(self, engine: Any, base_path: str, max_loaded: int,
-                 in_use: Callable[[], set[str]] = set,
-                 on_unload: Callable[[str], None] | None = None) -> None:
+                 in_use: Callable[[], set[str]] = set) -> None:
         self.engine = engine
         self.base_path = base_path
         self.max_loaded = max(1, int(max_loaded))
         self.in_use = in_use
-        self.on_unload = on_unload
+        self._unrouted: list[str] = []  # unloaded adapters' affinity heads
         self._base: tuple[str, dict[str, tuple[int, ...]]] | None = None
         self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # least recently used first
         self._pending: Counter[str] = Counter()  # acquired, not yet the scheduler's
@@ -202,11 +203,11 @@ class AdapterRegistry:
                 if adapter_id not in in_use and adapter_id not in self._pending:
                     self._retire_locked(adapter_id)
             gone, self._retiring = self._retiring, []
-            for adapter_id, _loaded in gone:
+            for adapter_id, loaded in gone:
                 self.unloads[adapter_id] += 1
-        for adapter_id, loaded in gone:
-            if loaded.route and self.on_unload is not None:
-                self.on_unload(loaded.route)
+                if loaded.route:
+                    self._unrouted.append(loaded.route)
+        for adapter_id, _loaded in gone:
             log.info("adapter %s unloaded", adapter_id)
         return [loaded.handle for _, loaded in gone]
 
@@ -227,6 +228,12 @@ class AdapterRegistry:
         return [loaded.handle for _, loaded in gone]
 
     # -- the heartbeat --------------------------------------------------------------------
+
+    def take_unrouted(self) -> list[str]:
+        """The affinity heads of adapters unloaded since the last call."""
+        with self._lock:
+            heads, self._unrouted = self._unrouted, []
+        return heads
 
     def summary(self, wait_s: float = -1) -> dict[str, Any]:
         """For the snapshot: loaded ids (least recently used first) and the counters; while

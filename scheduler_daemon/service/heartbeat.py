@@ -115,6 +115,9 @@ class Heartbeat:
         resync = self._beats % PRUNE_EVERY_BEATS == 0
         if self.intake is not None:
             summary = self.intake.summary_key
+            unrouted = self.intake.summary.discard(self.core.adapters.take_unrouted())
+            if unrouted:  # adapters unloaded here: routing stops preferring this daemon
+                pipe.srem(summary, *unrouted)
             if resync:  # the whole summary again now and then (a write lost to an outage)
                 pipe.delete(summary)
                 held = self.intake.summary.all()

@@ -14,7 +14,7 @@ import pytest
 from config.models import SMOLLM2, default_path
 from tests.fixtures.lora_adapter import write_lora
 from tests.scheduler.conftest import model_path
-from wire import protocol
+from wire import affinity, protocol
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -98,12 +98,22 @@ def test_a_file_that_fails_the_check_is_refused_and_the_daemon_lives(daemon, fil
 
 def test_unload_adapter_unloads_it_and_it_is_never_loaded_again(daemon, files):
     adapter = spec(files["good"], 5)
-    text_of(daemon, ask(daemon, adapter))
+    head = "ab" * 8  # the adapter's head hash, first in its jobs' affinity chains
+    job = daemon.enqueue(prompt=PROMPT, adapter=adapter, affinity=[head, "cd" * 8],
+                         params={"temperature": 0, "max_tokens": 4})
+    text_of(daemon, job)
     until(daemon, lambda a: "ad_0000000000000005" in a["loaded"])
+    summary = affinity.summary_key(daemon.daemon_id)
+    assert daemon.redis.sismember(summary, head)  # routing prefers this daemon for it
     daemon.redis.xadd(protocol.control_stream(daemon.daemon_id),
                       protocol.encode_command("unload_adapter", adapter=adapter["id"]))
     adapters = until(daemon, lambda a: "ad_0000000000000005" not in a["loaded"])
     assert adapters["unloads"]["ad_0000000000000005"] == 1
+    deadline = time.monotonic() + 10
+    while daemon.redis.sismember(summary, head):  # dropped by the next beat: no longer held
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert daemon.redis.sismember(summary, "cd" * 8)  # its prefixes' hashes stay
     _, data = text_of(daemon, ask(daemon, adapter))
     assert data["code"] == "adapter_unusable"
     assert os.path.exists(files["good"])  # unloading never touches the file

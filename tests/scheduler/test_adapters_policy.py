@@ -174,3 +174,24 @@ def test_a_tenants_eviction_reaches_its_adapters_scopes_and_no_one_elses(harness
     assert held == {"T", scoped("T", a), "TT"}
     assert h.scheduler.evict_scope("T") == 2
     assert {s.scope for s in h.scheduler.slots() if s.tokens} == {"TT"}
+
+
+def test_an_unloaded_adapters_affinity_head_leaves_the_summary(harness, monkeypatch):
+    from scheduler_daemon.core.affinity import AffinitySummary
+
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    registry = AdapterRegistry(h.engine, "base.gguf", 1, h.scheduler.adapters_in_use)
+    h.scheduler.adapters = registry
+    summary = AffinitySummary()
+    summary.record("t", ["head-a", "piece"])
+    with registry.hold(spec("ad_a"), route="head-a") as u:
+        h.scheduler.submit(req("a1", u, max_tokens=2))
+    h.run()
+    assert registry.take_unrouted() == []  # loaded: its head stays
+    with registry.hold(spec("ad_b"), route="head-b") as u:  # a makes room for b
+        h.scheduler.submit(req("b1", u, max_tokens=2))
+    h.run()
+    heads = registry.take_unrouted()
+    assert heads == ["head-a"] and registry.take_unrouted() == []
+    assert summary.discard(heads) == ["head-a"] and summary.all() == ["piece"]
