@@ -22,6 +22,7 @@ def tiny_base(path: Path, arch: str = "llama") -> Path:
     w.add_tensor("blk.0.attn_q.weight", np.zeros((24, 16), np.float32))  # ne = [16, 24]
     w.add_tensor("blk.0.attn_v.weight", np.zeros((8, 16), np.float32))
     w.add_tensor("blk.0.attn_norm.weight", np.zeros((16,), np.float32))
+    w.add_tensor("token_embd.weight", np.zeros((32, 16), np.float32))
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
         step()
     w.close()
@@ -29,11 +30,12 @@ def tiny_base(path: Path, arch: str = "llama") -> Path:
 
 
 def adapter(path: Path, arch: str = "llama", tensors: dict | None = None,
-            kind: str = "adapter") -> Path:
+            kind: str = "adapter", meta=None) -> Path:
+    """``meta``: writes the alpha and any other metadata (default: a float32 alpha of 8)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.type", kind)
     w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", 8.0)
+    (meta or (lambda w: w.add_float32("adapter.lora.alpha", 8.0)))(w)
     rng = np.random.default_rng(0)
     if tensors is None:
         tensors = {"blk.0.attn_q.weight": ((4, 16), (24, 4)),
@@ -67,7 +69,17 @@ def test_an_adapter_that_fits_its_base_passes(base, tmp_path):
     ({"tensors": {"blk.0.attn_q.weight": ((4, 15), (24, 4))}}, "do not fit"),
     ({"tensors": {"blk.0.attn_q.weight": ((4, 16), None)}}, "only one of"),
     ({"tensors": {"blk.9.attn_q.weight": ((4, 16), (24, 4))}}, "adapts no weight"),
-    ({"tensors": {"blk.0.attn_norm.weight": ((4, 16), (24, 4))}}, "2-D"),
+    ({"tensors": {"blk.0.attn_norm.weight": ((4, 16), (24, 4))}}, "only a block's"),
+    # the embeddings (tied to the output on Gemma: llama.cpp aborts on that pair)
+    ({"tensors": {"token_embd.weight": ((4, 16), (32, 4))}}, "only a block's"),
+    # keys llama.cpp reads with typed getters (another type aborts the process)
+    ({"meta": lambda w: w.add_float64("adapter.lora.alpha", 8.0)}, "float32"),
+    ({"meta": lambda w: w.add_float32("adapter.lora.alpha", float("nan"))}, "float32"),
+    ({"meta": lambda w: w.add_float32("adapter.lora.alpha", -1.0)}, "float32"),
+    ({"meta": lambda w: w.add_uint64("general.alignment", 32)}, "uint32"),
+    ({"meta": lambda w: w.add_uint32("adapter.lora.task_name", 1)}, "is not a string"),
+    ({"meta": lambda w: w.add_array("adapter.alora.invocation_tokens", [1, 2])},
+     "activated LoRA"),
     ({"tensors": {"blk.0.attn_q.weight": ((300, 16), (24, 300))}}, "one rank of 1 to"),
     ({"tensors": {}}, "no tensors"),
 ])

@@ -20,7 +20,9 @@ Returns what it found (architecture, rank, the weights adapted, alpha); raises
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -38,6 +40,14 @@ ALIGNMENT = 32  # GGUF's default (general.alignment may set another power of two
 _FIXED = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
           6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
 _STRING, _ARRAY = 8, 9
+_UINT32, _FLOAT32 = 4, 6
+_TYPE_NAMES = {_STRING: "string", _FLOAT32: "float32", _UINT32: "uint32"}
+_TYPED_KEYS = {"general.architecture": _STRING, "general.type": _STRING,
+               "adapter.type": _STRING, "adapter.lora.alpha": _FLOAT32,
+               "adapter.lora.task_name": _STRING, "adapter.lora.prompt_prefix": _STRING}
+# the weights an adapter may adapt: a block's attention and feed-forward projections
+_ADAPTABLE = re.compile(
+    r"blk\.\d{1,4}\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_up|ffn_down|ffn_gate)\.weight")
 # tensor types an adapter may use: ggml type id -> bytes per element
 _TENSOR_TYPES = {0: 4, 1: 2}  # F32, F16
 
@@ -57,6 +67,7 @@ class Adapter:
 @dataclass(slots=True)
 class _Gguf:
     metadata: dict[str, object]
+    types: dict[str, int]  # each metadata key's GGUF type
     tensors: list[tuple[str, tuple[int, ...], int, int]]  # name, ne, type, offset
     data_start: int
 
@@ -85,19 +96,31 @@ def check_adapter(path: str | os.PathLike[str],
     with open(path, "rb") as f:
         g = _read(f, size, check_data=True)
     meta = g.metadata
+    # llama.cpp reads these keys with typed getters that abort the process on another type
+    for key, kind in _TYPED_KEYS.items():
+        if key in g.types and g.types[key] != kind:
+            raise AdapterRefused(f"{key} is not a {_TYPE_NAMES[kind]}")
+    if "adapter.alora.invocation_tokens" in g.types:
+        raise AdapterRefused("an activated LoRA (adapter.alora.invocation_tokens) is not "
+                             "supported")
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
         raise AdapterRefused("not a LoRA adapter (general.type adapter, adapter.type lora)")
     if meta.get("general.architecture") != arch:
         raise AdapterRefused(f"an adapter for {meta.get('general.architecture')!r}, not for "
                              f"this model's {arch!r}")
     alpha = meta.get("adapter.lora.alpha")
-    if alpha is not None and not isinstance(alpha, float):
-        raise AdapterRefused("adapter.lora.alpha is not a number")
+    if alpha is not None and not (isinstance(alpha, float) and math.isfinite(alpha)
+                                  and alpha > 0):
+        raise AdapterRefused("adapter.lora.alpha is not a finite positive float32")
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, ne, _type, _offset in g.tensors:
         weight, _, part = name.rpartition(".")
         if part not in ("lora_a", "lora_b") or weight not in shapes:
             raise AdapterRefused(f"tensor {name!r} adapts no weight of the base model")
+        if not _ADAPTABLE.fullmatch(weight):  # the embeddings (tied to the output on
+            # Gemma: llama.cpp aborts on that pair), the output head, experts: refused
+            raise AdapterRefused(f"tensor {name!r}: only a block's attention and feed-"
+                                 "forward projections may be adapted")
         if part in pairs.setdefault(weight, {}):
             raise AdapterRefused(f"tensor {name!r} appears twice")
         pairs[weight][part] = ne
@@ -132,9 +155,15 @@ def _read(f: BinaryIO, size: int, check_data: bool) -> _Gguf:
     if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
         raise AdapterRefused("too many tensors or metadata entries")
     metadata: dict[str, object] = {}
+    types: dict[str, int] = {}
     for _ in range(n_kv):
         key = r.string()
-        metadata[key] = r.value(r.unpack("<I"), depth=0)
+        if key in types:
+            raise AdapterRefused(f"the metadata key {key!r} appears twice")
+        types[key] = r.unpack("<I")
+        metadata[key] = r.value(types[key], depth=0)
+    if "general.alignment" in types and types["general.alignment"] != _UINT32:
+        raise AdapterRefused("general.alignment is not a uint32")
     tensors = []
     for _ in range(n_tensors):
         name = r.string()
@@ -150,7 +179,7 @@ def _read(f: BinaryIO, size: int, check_data: bool) -> _Gguf:
     data_start = -(-r.pos // alignment) * alignment
     if check_data:
         _check_data(tensors, data_start, alignment, size)
-    return _Gguf(metadata, tensors, data_start)
+    return _Gguf(metadata, types, tensors, data_start)
 
 
 def _check_data(tensors: list[tuple[str, tuple[int, ...], int, int]], data_start: int,

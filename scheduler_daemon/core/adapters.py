@@ -17,10 +17,15 @@ without it, on any tier of the prefix cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import stat
+import tempfile
 import threading
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wire import errors, protocol
-from wire.adapter_check import AdapterRefused, check_adapter, read_shapes
+from wire.adapter_check import MAX_FILE_BYTES, AdapterRefused, check_adapter, read_shapes
 from wire.errors import Refusal
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,13 @@ MAX_IDS = 4096  # adapter ids the counters remember (the web registers far fewer
 def scoped(cache_scope: str, use: AdapterUse | None) -> str:
     """The cache scope of a request under ``use`` (its tenant's scope for the base model)."""
     return cache_scope if use is None else f"{cache_scope}{SCOPE_SEP}{use.tag}"
+
+
+def tenant_of(cache_scope: str) -> str:
+    """The tenant's scope of a cache scope (the same for the base model and every adapter
+    and scale of the tenant): what fairness, KV shares, queue caps and the prefix cache's
+    tenant shares count by, so that no number of adapters or scales multiplies them."""
+    return cache_scope.split(SCOPE_SEP, 1)[0]
 
 
 def tenant_scopes(cache_scope: str, scopes: set[str]) -> set[str]:
@@ -66,7 +78,8 @@ class AdapterUse:
 class _Loaded:
     handle: Any
     sha256: str
-    route: str | None = None  # the head of its jobs' affinity chain (wire/affinity.py)
+    # the heads of its jobs' affinity chains (wire/affinity.py: one per tenant and scale)
+    routes: set[str] = field(default_factory=set)
 
 
 def _sha256(path: str) -> str:
@@ -86,11 +99,14 @@ class AdapterRegistry:
     daemon for that adapter)."""
 
     def __init__(self, engine: Any, base_path: str, max_loaded: int,
-                 in_use: Callable[[], set[str]] = set) -> None:
+                 in_use: Callable[[], set[str]] = set, root: str | None = None) -> None:
         self.engine = engine
         self.base_path = base_path
         self.max_loaded = max(1, int(max_loaded))
         self.in_use = in_use
+        self.root = os.path.realpath(root) if root else None  # ADAPTERS_DIR: files inside it
+        self._copies: str | None = None  # the private folder of files being loaded
+        self.load_lock = threading.Lock()  # a load, or the loop thread's frees
         self._unrouted: list[str] = []  # unloaded adapters' affinity heads
         self._base: tuple[str, dict[str, tuple[int, ...]]] | None = None
         self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # least recently used first
@@ -129,45 +145,108 @@ class AdapterRegistry:
     def _acquire(self, spec: dict[str, Any], route: str | None) -> AdapterUse:
         adapter_id, path, sha = str(spec["id"]), str(spec["path"]), str(spec["sha256"])
         scale = float(spec["scale"])
-        with self._lock:  # loads are serialized: two jobs of a new adapter load it once
+        use = self._take_loaded(adapter_id, sha, scale, spec, route)
+        if use is not None:
+            return use
+        # Loads run one at a time (the load lock, which the loop thread's frees also take:
+        # llama.cpp's model keeps its adapters in a set both change), outside the registry's
+        # lock: the loop thread never waits for a file to be read.
+        with self.load_lock:
+            use = self._take_loaded(adapter_id, sha, scale, spec, route)  # loaded meanwhile?
+            if use is not None:
+                return use
+            with self._lock:
+                self._make_room_locked(dry_run=True)  # adapters_busy before any loading
+            t0 = time.monotonic()
+            handle = self._load(adapter_id, path, sha)
+            with self._lock:
+                try:
+                    self._make_room_locked()
+                except Refusal:
+                    self._retiring.append((adapter_id, _Loaded(handle, sha)))  # freed next tick
+                    raise
+                self._loaded[adapter_id] = _Loaded(handle, sha)
+                self.loads[adapter_id] += 1
+                self.load_ms[adapter_id] = (time.monotonic() - t0) * 1000
+                self._bound_counters()
+                log.info("adapter %s loaded in %.1f ms (%d loaded)", adapter_id,
+                         self.load_ms[adapter_id], len(self._loaded))
+            use = self._take_loaded(adapter_id, sha, scale, spec, route)
+            assert use is not None
+            return use
+
+    def _take_loaded(self, adapter_id: str, sha: str, scale: float, spec: dict[str, Any],
+                     route: str | None) -> AdapterUse | None:
+        """The use of a loaded adapter, held (None: not loaded)."""
+        with self._lock:
             if adapter_id in self._deleted:
                 raise Refusal(errors.ADAPTER_UNUSABLE, "The adapter was deleted.")
             loaded = self._loaded.get(adapter_id)
-            if loaded is not None and loaded.sha256 != sha:  # re-registered with a new file
+            if loaded is not None and loaded.sha256 != sha:  # another file under its id
+                if adapter_id in self.in_use() or adapter_id in self._pending:
+                    raise Refusal(errors.ADAPTER_UNUSABLE, "The adapter's file changed while "
+                                  "requests use it; retry shortly.", retry_after_s=1)
                 self._retire_locked(adapter_id)
                 loaded = None
             if loaded is None:
-                self._make_room_locked()
-                loaded = self._load_locked(adapter_id, path, sha)
+                return None
             self._loaded.move_to_end(adapter_id)
             if route:
-                loaded.route = route
+                loaded.routes.add(route)
             self._pending[adapter_id] += 1
             return AdapterUse(adapter_id, scale, protocol.adapter_tag(spec), loaded.handle)
 
-    def _load_locked(self, adapter_id: str, path: str, sha: str) -> _Loaded:
-        t0 = time.monotonic()
+    def _load(self, adapter_id: str, path: str, sha: str) -> Any:
+        """Check and load the file (the load lock held): read once, through a descriptor
+        that follows no last link and blocks on nothing, into a private copy; the copy is
+        what is checked, hashed and given to llama.cpp (no file swapped in after the check
+        reaches the parser), and is deleted once loaded (llama.cpp keeps the data)."""
+        copy = None
         try:
             if self._base is None:
                 self._base = read_shapes(self.base_path)
-            check_adapter(path, self._base)  # bounded, sizes first: then the whole hash
-            if _sha256(path) != sha:
+            copy = self._private_copy(path)
+            check_adapter(copy, self._base)  # bounded, sizes first
+            if _sha256(copy) != sha:
                 raise AdapterRefused("the file is not the one registered (its hash differs)")
-        except (AdapterRefused, OSError) as exc:
+            return self.engine.load_adapter(copy)
+        except (AdapterRefused, OSError, RuntimeError) as exc:  # RuntimeError: EngineError
             log.warning("adapter %s refused: %s", adapter_id, exc)
             raise Refusal(errors.ADAPTER_UNUSABLE,
                           "The adapter's file does not pass the daemon's check.") from None
-        handle = self.engine.load_adapter(path)
-        loaded = _Loaded(handle, sha)
-        self._loaded[adapter_id] = loaded
-        self.loads[adapter_id] += 1
-        self.load_ms[adapter_id] = (time.monotonic() - t0) * 1000
-        self._bound_counters()
-        log.info("adapter %s loaded in %.1f ms (%d loaded)", adapter_id,
-                 self.load_ms[adapter_id], len(self._loaded))
-        return loaded
+        finally:
+            if copy is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(copy)
 
-    def _make_room_locked(self) -> None:
+    def _private_copy(self, path: str) -> str:
+        if self.root is not None:
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, self.root]) != self.root:
+                raise AdapterRefused("the file is not inside ADAPTERS_DIR")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise AdapterRefused("not a regular file")
+            if st.st_size > MAX_FILE_BYTES:
+                raise AdapterRefused(f"the file is larger than {MAX_FILE_BYTES} bytes")
+            if self._copies is None:
+                self._copies = tempfile.mkdtemp(prefix="adapters-")  # mode 0700
+            out = os.path.join(self._copies, f"{uuid.uuid4().hex}.gguf")
+            with os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                           "wb") as dst:
+                left = MAX_FILE_BYTES + 1
+                while block := os.read(fd, min(1 << 20, left)):
+                    dst.write(block)
+                    left -= len(block)
+                    if left <= 0:
+                        raise AdapterRefused(f"the file is larger than {MAX_FILE_BYTES} bytes")
+            return out
+        finally:
+            os.close(fd)
+
+    def _make_room_locked(self, dry_run: bool = False) -> None:
         """Room for one more below ``max_loaded``: the least recently used adapter no
         request holds is retired (freed at the next tick, before this job's first decode),
         or ``adapters_busy``."""
@@ -176,7 +255,8 @@ class AdapterRegistry:
         busy = self.in_use() | set(self._pending)
         for adapter_id in list(self._loaded):  # least recently used first
             if adapter_id not in busy:
-                self._retire_locked(adapter_id)
+                if not dry_run:
+                    self._retire_locked(adapter_id)
                 return
         raise Refusal(errors.ADAPTERS_BUSY, "Every loaded adapter is in use; retry shortly.",
                       retry_after_s=1)
@@ -205,8 +285,7 @@ class AdapterRegistry:
             gone, self._retiring = self._retiring, []
             for adapter_id, loaded in gone:
                 self.unloads[adapter_id] += 1
-                if loaded.route:
-                    self._unrouted.append(loaded.route)
+                self._unrouted.extend(sorted(loaded.routes))
         for adapter_id, _loaded in gone:
             log.info("adapter %s unloaded", adapter_id)
         return [loaded.handle for _, loaded in gone]

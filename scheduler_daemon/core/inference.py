@@ -123,6 +123,7 @@ class InferenceCore:
         disk: DiskCache | None = None,
         shutdown_save_s: float = 5.0,
         max_loaded_adapters: int = DEFAULT_MAX_LOADED_ADAPTERS,
+        adapters_dir: str | None = None,
     ) -> None:
         """``max_prompt_bytes`` (MAX_PROMPT_BYTES): longer prompt text is refused before
         anything renders or tokenizes it. ``embeddings`` (EMBEDDINGS): embeddings jobs are
@@ -132,7 +133,8 @@ class InferenceCore:
         quarter of ``config.max_queue``, the embeddings queue, so that no tenant fills it).
         ``disk``: the prefix cache's disk tier (opened); ``stop`` saves the slots' and the RAM
         tier's states to it for at most ``shutdown_save_s`` (PROMPT_CACHE_SHUTDOWN_S).
-        ``max_loaded_adapters`` (MAX_LOADED_ADAPTERS): LoRA adapters loaded at once."""
+        ``max_loaded_adapters`` (MAX_LOADED_ADAPTERS): LoRA adapters loaded at once;
+        ``adapters_dir`` (ADAPTERS_DIR): where their files must lie (None: anywhere)."""
         self.engine = engine
         self.embeddings = embeddings
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
@@ -143,7 +145,8 @@ class InferenceCore:
         self.chat = ChatRenderer(engine, chat_template)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick, disk=disk)
         self.adapters = AdapterRegistry(engine, getattr(engine, "model_path", ""),
-                                        max_loaded_adapters, self.scheduler.adapters_in_use)
+                                        max_loaded_adapters, self.scheduler.adapters_in_use,
+                                        root=adapters_dir)
         self.scheduler.adapters = self.adapters
         self.shutdown_save_s = shutdown_save_s
         self.listeners: list[Callable[[Event], None]] = []
@@ -242,6 +245,7 @@ class InferenceCore:
             disk=disk,
             shutdown_save_s=get("PROMPT_CACHE_SHUTDOWN_S"),
             max_loaded_adapters=get("MAX_LOADED_ADAPTERS"),
+            adapters_dir=get("ADAPTERS_DIR"),
         )
         core.max_answer_bytes = int(overrides.get(
             "max_vocab_answer_bytes", getattr(settings, "MAX_VOCAB_ANSWER_BYTES",
@@ -406,50 +410,36 @@ class InferenceCore:
         if session is not None and not isinstance(session, str):
             raise InvalidParameter("session", "must be a string")
         choices = n * (len(prompts) if prompts is not None else 1)
+        self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
         if adapter is not None:  # the tenant's scope under this adapter and scale
             cache_scope = f"{cache_scope}{SCOPE_SEP}{protocol.adapter_tag(adapter)}"
-        self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
         request_id = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
-        with self.adapters.hold(adapter, route) as use:  # loaded (off the tick) and held
-            return self._enqueue(prompt, messages, params, request_id, handle, continuation,
-                                 n, prompts, session_prefix, keep_tokens,
-                                 dict(cache_scope=cache_scope, session=session,
-                                      cache_prompt=cache_prompt, max_queued=max_queued,
-                                      adapter=use),
-                                 arrival, now, deadline)
-
-    def _enqueue(self, prompt: Any, messages: Any, params: SamplingParams, request_id: str,
-                 handle: RequestHandle | None, continuation: Continuation | None, n: int,
-                 prompts: list[Any] | None, session_prefix: list[int] | None,
-                 keep_tokens: bool, fields: dict[str, Any], arrival: float, now: float,
-                 deadline: float | None) -> int:
-
-        def shared() -> dict[str, Any]:
-            """The fields every request of this job shares, once its prompt is tokenized."""
-            return dict(fields, arrival=arrival,
-                        # the scheduler's clock is monotonic; a wall-clock deadline crosses
-                        # daemons
-                        deadline=None if deadline is None else now + (deadline - time.time()))
-
         if prompts is not None:
             each = self._prompt_list_tokens(prompts)
-            return self._choices.enqueue([tokens for tokens in each for _ in range(n)],
-                                         sum(len(t) for t in each), request_id, handle, params,
-                                         shared())
-        if session_prefix is not None:
-            if n != 1 or prompts is not None:
-                raise InvalidParameter("n", "a session's turn has one choice")
-            tokens = list(session_prefix) + self.continuation_tokens(prompt, messages)
+            batch, n_prompt = [tokens for tokens in each for _ in range(n)], sum(map(len, each))
         else:
-            tokens = self.prompt_tokens(prompt, messages)
-        if n > 1:
-            return self._choices.enqueue([tokens] * n, len(tokens), request_id, handle, params,
-                                         shared())
-        self._submit_one(Request(id=request_id, prompt_tokens=tokens, params=params,
-                                 continuation=continuation, keep_tokens=keep_tokens,
-                                 **shared()), handle)
-        return len(tokens)
+            if session_prefix is not None:
+                if n != 1:
+                    raise InvalidParameter("n", "a session's turn has one choice")
+                tokens = list(session_prefix) + self.continuation_tokens(prompt, messages)
+            else:
+                tokens = self.prompt_tokens(prompt, messages)
+            batch, n_prompt = [tokens] * n, len(tokens)
+        # the adapter is loaded (off the tick) once the prompt is known to be usable, and
+        # held until the scheduler holds the job's requests
+        with self.adapters.hold(adapter, route) as use:
+            shared = dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
+                          max_queued=max_queued, adapter=use, arrival=arrival,
+                          # the scheduler's clock is monotonic; a wall-clock deadline
+                          # crosses daemons
+                          deadline=None if deadline is None else now + (deadline - time.time()))
+            if len(batch) > 1 or prompts is not None:
+                return self._choices.enqueue(batch, n_prompt, request_id, handle, params, shared)
+            self._submit_one(Request(id=request_id, prompt_tokens=batch[0], params=params,
+                                     continuation=continuation, keep_tokens=keep_tokens,
+                                     **shared), handle)
+            return n_prompt
 
     def _submit_one(self, request: Request, handle: RequestHandle | None) -> None:
         """Queue a request of one choice; its events go to ``handle`` too."""

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapters import tenant_of
+
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """How many leading tokens two sequences share."""
@@ -76,7 +78,8 @@ class RamCache:
         return list(self._entries.values())
 
     def scope_bytes(self, cache_scope: str) -> int:
-        return self._scope_bytes.get(cache_scope, 0)
+        """What the scope's tenant holds (all its adapters' scopes with its own)."""
+        return self._scope_bytes.get(tenant_of(cache_scope), 0)
 
     def usable_prefix(self, entry: RamEntry, prompt: list[int], limit: int) -> int:
         """How many tokens of ``prompt`` (at most ``limit``) a restore of ``entry`` provides."""
@@ -114,7 +117,7 @@ class RamCache:
 
     def _scope_limit(self, cache_scope: str) -> int:
         """The scope's share while another scope holds entries; else the whole budget."""
-        alone = all(scope == cache_scope for scope in self._scope_bytes)
+        alone = all(tenant == tenant_of(cache_scope) for tenant in self._scope_bytes)
         return self.budget_bytes if alone else self.scope_limit_bytes
 
     def make_room(
@@ -141,7 +144,8 @@ class RamCache:
                 if not over:
                     break
                 evictable = e is not protect and e.owner is None
-                if evictable and (not scoped or e.cache_scope == cache_scope):
+                mine = tenant_of(e.cache_scope) == tenant_of(cache_scope)
+                if evictable and (not scoped or mine):
                     evicted.append(self._remove(e))
         room = (
             self.total_bytes + size_bytes <= self.budget_bytes
@@ -158,7 +162,7 @@ class RamCache:
                          owner=owner)
         self._next_id += 1
         self._entries[entry.id] = entry
-        self._scope_bytes[cache_scope] = self.scope_bytes(cache_scope) + size_bytes
+        self._scope_bytes[tenant_of(cache_scope)] = self.scope_bytes(cache_scope) + size_bytes
         self.total_bytes += size_bytes
         return entry
 
@@ -194,11 +198,12 @@ class RamCache:
 
     def _remove(self, entry: RamEntry) -> RamEntry:
         del self._entries[entry.id]
-        left = self._scope_bytes[entry.cache_scope] - entry.size_bytes
+        tenant = tenant_of(entry.cache_scope)
+        left = self._scope_bytes[tenant] - entry.size_bytes
         if left:
-            self._scope_bytes[entry.cache_scope] = left
+            self._scope_bytes[tenant] = left
         else:
-            del self._scope_bytes[entry.cache_scope]
+            del self._scope_bytes[tenant]
         self.total_bytes -= entry.size_bytes
         return entry
 

@@ -26,7 +26,7 @@ from wire import errors
 from wire.errors import Refusal
 from wire.sampling import SamplingParams
 
-from .adapters import AdapterRegistry, tenant_scopes
+from .adapters import AdapterRegistry, tenant_of, tenant_scopes
 from .disk_cache import DiskCache
 from .engine_api import (
     DECODE_ABORTED,
@@ -148,7 +148,7 @@ class Scheduler:
         if n_slots < 1:
             raise ValueError("the engine has no sequence for a slot besides the park")
         self._slots = [Slot(seq_id=i) for i in range(n_slots)]
-        self._waiting: FairQueue[str, RequestState] = FairQueue()  # keyed by cache_scope
+        self._waiting: FairQueue[str, RequestState] = FairQueue()  # keyed by RequestState.tenant
         self._requests: dict[str, RequestState] = {}
         self._preempted: list[RequestState] = []  # out of their slots, oldest preemption first
         self._cancels: set[str] = set()
@@ -280,9 +280,9 @@ class Scheduler:
             with self.lock:
                 if request.id in self._requests:
                     raise Refusal(errors.DUPLICATE_ID, f"request id {request.id} is already in use")
-                self.check_capacity(request.cache_scope, request.max_queued)
+                self.check_capacity(tenant_of(request.cache_scope), request.max_queued)
                 self._requests[req.id] = req
-                self._waiting.push(req.cache_scope, req)
+                self._waiting.push(req.tenant, req)
                 self.counters["submitted"] += 1
         except BaseException:  # a refusal, or a bug: the native sampler is freed either way
             sampler.close()
@@ -656,7 +656,7 @@ class Scheduler:
             slot = self._choose_slot(req)
             if slot is None:
                 break
-            self._waiting.take(req.cache_scope, req)
+            self._waiting.take(req.tenant, req)
             plan.admitted.append(req.id)
             self._assign_or_fail(req, slot)
 
@@ -667,17 +667,17 @@ class Scheduler:
         if not self._preempted:
             return None
         running, held = self._scope_slots(), self._scope_held()
-        fits = [r for r in self._preempted if held[r.cache_scope] + r.blocks <= self._scope_blocks]
+        fits = [r for r in self._preempted if held[r.tenant] + r.blocks <= self._scope_blocks]
         if not fits:
             return None
-        best = min(fits, key=lambda r: running[r.cache_scope])  # ties: the oldest preemption
-        if head is not None and running[head.cache_scope] < running[best.cache_scope]:
+        best = min(fits, key=lambda r: running[r.tenant])  # ties: the oldest preemption
+        if head is not None and running[head.tenant] < running[best.tenant]:
             return None
         return best
 
     def _scope_slots(self) -> Counter[str]:
         """Slots held by each scope's running requests."""
-        return Counter(s.request.cache_scope for s in self._slots if s.request is not None)
+        return Counter(s.request.tenant for s in self._slots if s.request is not None)
 
     def _preempt_for_waiting(self, plan: TickPlan) -> bool:
         """While another scope's request waits and no slot is free, one generating request
@@ -695,19 +695,19 @@ class Scheduler:
         if waiting is None:
             return False
         running = self._scope_slots()
-        least = running[waiting.cache_scope] + 2
+        least = running[waiting.tenant] + 2
         eligible = [
             s.request
             for s in self._slots
             if s.state is SlotState.GENERATING
-            and running[s.request.cache_scope] >= least
+            and running[s.request.tenant] >= least
             and len(s.request.output) - s.request.run_start_tokens
             >= self.config.preempt_min_tokens
             and self._used_blocks - s.request.blocks + waiting.blocks <= self._total_blocks
         ]
         if not eligible:
             return False
-        victim = max(eligible, key=lambda r: (running[r.cache_scope], r.arrival))
+        victim = max(eligible, key=lambda r: (running[r.tenant], r.arrival))
         self._preempt(victim)
         plan.preempted.append(victim.id)
         return True
@@ -755,7 +755,7 @@ class Scheduler:
             self._preempted.remove(req)
             self.cache.drop_owned(req.id)
         elif req in self._waiting:
-            self._waiting.remove(req.cache_scope, req)
+            self._waiting.remove(req.tenant, req)
 
     def _assign_or_fail(self, req: RequestState, slot: Slot) -> None:
         """``_assign``; a failure there (restoring a cached prefix...) fails this request alone
@@ -778,7 +778,7 @@ class Scheduler:
         best = None
         for scope, req in self._waiting.heads():
             fits = held[scope] + req.blocks <= self._scope_blocks
-            if fits and (best is None or running[scope] < running[best.cache_scope]):
+            if fits and (best is None or running[scope] < running[best.tenant]):
                 best = req
         return best
 
@@ -787,7 +787,7 @@ class Scheduler:
         held: Counter[str] = Counter()
         for slot in self._slots:
             if slot.request is not None:
-                held[slot.request.cache_scope] += slot.request.blocks
+                held[slot.request.tenant] += slot.request.blocks
         return held
 
     def _admit_session(self, head: RequestState) -> RequestState | None:
@@ -807,10 +807,10 @@ class Scheduler:
             slot = pinned.get((req.cache_scope, req.session))
             fits = (
                 self._used_blocks + req.blocks <= self._total_blocks
-                and held[req.cache_scope] + req.blocks <= self._scope_blocks
+                and held[req.tenant] + req.blocks <= self._scope_blocks
             )
             if req is not head and slot is not None and req.cache_prompt and fits:
-                self._waiting.take(req.cache_scope, req)
+                self._waiting.take(req.tenant, req)
                 head.passed_over += 1
                 self.counters["session_bypasses"] += 1
                 self._assign_or_fail(req, slot)
@@ -901,12 +901,22 @@ class Scheduler:
         whose last turn is the oldest (a new one first; ties: the fewest tokens decoded).
         Each group with work gets one tick per round, whatever its number of rows, so a
         flood on one adapter delays another group's requests by one turn per round."""
-        groups = {s.request.group for s in self._slots
+        owners = {s.request.group: s.request.tenant for s in self._slots
                   if s.request is not None and s.state is not SlotState.IDLE}
+        groups = set(owners)
         if len(groups) <= 1:
             group = next(iter(groups), self._group)
         else:
-            group = min(groups, key=lambda g: (self._group_turns.get(g, -1),
+            def last_turn(g: str) -> int:
+                """A tenant's adapter groups (its adapters, its scales) share one turn a
+                round: their last turn is the latest of theirs (the base model's group,
+                every tenant's, has its own)."""
+                if not g:
+                    return self._group_turns.get(g, -1)
+                return max(self._group_turns.get(h, -1) for h in groups
+                           if h and owners[h] == owners[g])
+
+            group = min(groups, key=lambda g: (last_turn(g), self._group_turns.get(g, -1),
                                                self.group_tokens[g], g != self._group))
         self._group_turns[group] = self._tick
         if len(self._group_turns) > 4 * len(self._slots):  # groups gone idle: forgotten
@@ -921,15 +931,21 @@ class Scheduler:
 
     def retire_adapters(self) -> None:
         """Free the adapters the registry retires (loop thread, outside the lock: the
-        registry's lock is taken before this one by a preparing thread); the context
-        first stops applying any adapter, so no freed handle stays set on it."""
-        handles = self.adapters.retire(self.adapters_in_use())
-        if handles:
-            if self._group:
-                self.engine.use_adapters([])
-                self._group = ""
-            for handle in handles:
-                self.engine.free_adapter(handle)
+        registry's lock is taken before this one by a preparing thread), never while a
+        load runs (both change the model's set of adapters); the context first stops
+        applying any adapter, so no freed handle stays set on it."""
+        if not self.adapters.load_lock.acquire(blocking=False):
+            return  # a load runs on a preparing thread: freed at a later turn
+        try:
+            handles = self.adapters.retire(self.adapters_in_use())
+            if handles:
+                if self._group:
+                    self.engine.use_adapters([])
+                    self._group = ""
+                for handle in handles:
+                    self.engine.free_adapter(handle)
+        finally:
+            self.adapters.load_lock.release()
 
     def _replan(self, plan: TickPlan, token_budget: int) -> TickPlan:
         """The same tick's batch planned again within ``token_budget`` (KV pressure)."""

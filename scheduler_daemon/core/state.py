@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from wire.sampling import SamplingParams
 
+from .adapters import tenant_of
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -124,6 +125,12 @@ class RequestState:
     refill: list[int] | None = None
     run_start_tokens: int = 0
     adapter: AdapterUse | None = None  # see Request
+
+    @property
+    def tenant(self) -> str:
+        """Its tenant (what the turns, shares and caps count by): its cache scope without
+        an adapter's tag."""
+        return tenant_of(self.cache_scope)
 
     @property
     def group(self) -> str:

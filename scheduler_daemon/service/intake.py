@@ -70,7 +70,8 @@ DRAIN_WINDOW_S = 30.0  # the rate jobs were taken at is measured over this long
 def job_fingerprint(job: protocol.Job) -> str:
     """What makes a job the same request again, under whatever id: the quarantine's key (a
     poison request sent anew is still refused). Its tenant is part of it: another tenant's
-    copies neither count a death for it nor are refused with it (docs/daemon.md)."""
+    copies neither count a death for it nor are refused with it (docs/daemon.md); so is
+    its adapter (id and file hash), if any."""
     body = {
         "tenant": job.tenant_id,
         "kind": job.kind,
@@ -79,6 +80,8 @@ def job_fingerprint(job: protocol.Job) -> str:
         "messages": job.messages,
         "params": job.params,
     }
+    if isinstance(job.adapter, dict):  # under an adapter it is another request
+        body["adapter"] = [job.adapter.get("id"), job.adapter.get("sha256")]
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

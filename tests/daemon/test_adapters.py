@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +24,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("adapters")
+def files():
+    # inside the daemons' ADAPTERS_DIR (tests/settings.py: the test run's own folder)
+    folder = Path(os.environ["ADAPTERS_DIR"]) / f"daemon-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
     good = write_lora(model_path(), folder / "gemma.gguf")
     corrupt = folder / "corrupt.gguf"
     data = bytearray(good.read_bytes())
@@ -33,7 +38,10 @@ def files(tmp_path_factory):
     with huge.open("wb") as f:
         f.write(good.read_bytes()[:4096])
         f.truncate((2 << 30) + 1)  # sparse: past adapter_check.MAX_FILE_BYTES
-    return {"good": good, "corrupt": corrupt, "foreign": foreign, "huge": huge}
+    outside = Path(tempfile.mkdtemp(prefix="not-adapters-")) / "outside.gguf"
+    outside.write_bytes(good.read_bytes())
+    return {"good": good, "corrupt": corrupt, "foreign": foreign, "huge": huge,
+            "outside": outside}
 
 
 def spec(path, n: int, scale: float = 1.0, sha: str | None = None) -> dict:
@@ -79,7 +87,7 @@ def test_an_adapter_is_loaded_on_demand_and_changes_the_output(daemon, files):
     assert adapters["tokens"]["ad_0000000000000001"] > 0
 
 
-@pytest.mark.parametrize("name", ["corrupt", "foreign", "huge", "changed"])
+@pytest.mark.parametrize("name", ["corrupt", "foreign", "huge", "changed", "outside"])
 def test_a_file_that_fails_the_check_is_refused_and_the_daemon_lives(daemon, files, name):
     pid = daemon.snapshot()["pid"]
     if name == "changed":  # the registered hash is another file's
@@ -87,10 +95,16 @@ def test_a_file_that_fails_the_check_is_refused_and_the_daemon_lives(daemon, fil
     elif name == "huge":
         adapter = spec(files["huge"], 3, sha="0" * 64)
     else:
-        adapter = spec(files[name], 2 if name == "corrupt" else 4)
+        adapter = spec(files[name], {"corrupt": 2, "foreign": 4, "outside": 6}[name])
     _, data = text_of(daemon, ask(daemon, adapter))
     assert data["code"] == "adapter_unusable"
     assert str(files[name if name != "changed" else "good"]) not in data["message"]
+    why = {"corrupt": "refused: ", "foreign": "not for this model's",
+           "huge": "larger than", "changed": "its hash differs",
+           "outside": "not inside ADAPTERS_DIR"}[name]
+    assert f"adapter {adapter['id']} refused: " in daemon.log_tail(400)
+    assert why in [line for line in daemon.log_tail(400).splitlines()
+                   if f"adapter {adapter['id']} refused" in line][-1]
     assert daemon.snapshot()["pid"] == pid and daemon.proc.poll() is None
     text, _ = text_of(daemon, ask(daemon))  # and it serves on
     assert text
@@ -117,3 +131,16 @@ def test_unload_adapter_unloads_it_and_it_is_never_loaded_again(daemon, files):
     _, data = text_of(daemon, ask(daemon, adapter))
     assert data["code"] == "adapter_unusable"
     assert os.path.exists(files["good"])  # unloading never touches the file
+
+
+def test_the_quarantine_tells_a_job_under_an_adapter_from_the_same_job_without():
+    from scheduler_daemon.service.intake import job_fingerprint
+
+    def job(adapter):
+        return protocol.Job(id="x", kind="completion", model="m", tenant_id="1",
+                            cache_scope="1", prompt="p", adapter=adapter)
+
+    a = {"id": "ad_0000000000000001", "path": "/a", "sha256": "1" * 64, "scale": 1.0}
+    fingerprints = {job_fingerprint(job(x)) for x in (None, a, {**a, "sha256": "2" * 64})}
+    assert len(fingerprints) == 3
+    assert job_fingerprint(job(a)) == job_fingerprint(job({**a, "path": "/b", "scale": 0.5}))

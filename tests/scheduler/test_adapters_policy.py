@@ -7,6 +7,8 @@ its adapters' scopes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from scheduler_daemon.core import adapters as adapters_module
@@ -89,6 +91,11 @@ class FakeLoads:
         monkeypatch.setattr(adapters_module, "read_shapes", lambda path: ("gemma3", {}))
         monkeypatch.setattr(adapters_module, "check_adapter", lambda path, base: None)
         monkeypatch.setattr(adapters_module, "_sha256", lambda path: "0" * 64)
+        real = adapters_module.AdapterRegistry._private_copy
+        # paths that do not exist (pure policy) are taken as they are; real files are copied
+        monkeypatch.setattr(adapters_module.AdapterRegistry, "_private_copy",
+                            lambda self, path: real(self, path) if os.path.lexists(path)
+                            else path)
 
 
 def spec(adapter_id: str, scale: float = 1.0) -> dict:
@@ -151,15 +158,66 @@ def test_a_deleted_adapter_is_unloaded_when_its_requests_end_and_never_loaded_ag
 def test_a_file_that_is_not_the_registered_one_is_refused_before_llama_cpp_sees_it(
         harness, monkeypatch, tmp_path):
     monkeypatch.setattr(adapters_module, "read_shapes", lambda path: ("gemma3", {}))
+    checked = []
+    monkeypatch.setattr(adapters_module, "check_adapter", lambda path, base: checked.append(path))
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
     registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
     path = tmp_path / "a.gguf"
-    path.write_bytes(b"changed since it was registered")
+    path.write_bytes(b"an adapter that passes the check, changed since it was registered")
     with pytest.raises(Refusal) as refused:
-        with registry.hold({**spec("ad_a"), "path": str(path)}):
+        with registry.hold({**spec("ad_a"), "path": str(path)}):  # registered: "0" * 64
             pass
     assert refused.value.code == "adapter_unusable"
+    assert len(checked) == 1 and h.engine.loaded == []  # checked, then refused by the hash
+    assert checked[0] != str(path)  # what is checked is the private copy, not the path
+
+
+def test_a_fifo_a_link_and_a_file_outside_the_folder_are_refused_without_waiting(
+        harness, monkeypatch, tmp_path):
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    root = tmp_path / "adapters"
+    root.mkdir()
+    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use,
+                               root=str(root))
+    fifo = root / "fifo.gguf"
+    os.mkfifo(fifo)  # an open() that blocked would hang this test
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"x")
+    link = root / "link.gguf"
+    link.symlink_to(root / "real.gguf")
+    (root / "real.gguf").write_bytes(b"x")
+    for path in (fifo, outside, link):
+        with pytest.raises(Refusal) as refused:
+            with registry.hold({**spec("ad_a"), "path": str(path)}):
+                pass
+        assert refused.value.code == "adapter_unusable"
     assert h.engine.loaded == []
+    with registry.hold({**spec("ad_a"), "path": str(root / "real.gguf")}):
+        pass  # the same file by its own name loads
+    assert len(h.engine.loaded) == 1
+
+
+def test_a_load_that_llama_cpp_refuses_is_adapter_unusable_and_evicts_nothing(
+        harness, monkeypatch):
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=4), max_queue=8)
+    registry = AdapterRegistry(h.engine, "base.gguf", 1, h.scheduler.adapters_in_use)
+    h.scheduler.adapters = registry
+    monkeypatch.setattr(adapters_module.AdapterRegistry, "_private_copy",
+                        lambda self, path: path)
+    with registry.hold(spec("ad_a")):
+        pass
+
+    def refuse(path):
+        raise RuntimeError("llama.cpp refused the adapter")  # EngineError is a RuntimeError
+
+    monkeypatch.setattr(h.engine, "load_adapter", refuse)
+    with pytest.raises(Refusal) as refused:
+        with registry.hold(spec("ad_b")):
+            pass
+    assert refused.value.code == "adapter_unusable"
+    assert registry.summary()["loaded"] == ["ad_a"]  # a stays: no room was made for b
 
 
 def test_a_tenants_eviction_reaches_its_adapters_scopes_and_no_one_elses(harness):
@@ -195,3 +253,44 @@ def test_an_unloaded_adapters_affinity_head_leaves_the_summary(harness, monkeypa
     heads = registry.take_unrouted()
     assert heads == ["head-a"] and registry.take_unrouted() == []
     assert summary.discard(heads) == ["head-a"] and summary.all() == ["piece"]
+
+
+def test_a_tenants_scales_and_adapters_share_one_turn_a_round(harness):
+    """Scales (or adapters) of one tenant are groups of their own (one adapter set per
+    decode) but one tenant's turn: three scales do not get three turns to the base's one."""
+    h = harness(FakeEngine(n_ctx=8192, n_seq_max=8), max_queue=32)
+    for i, scale in enumerate((1.0, 0.5, 0.25)):
+        for j in range(2):
+            h.scheduler.submit(req(f"t{i}{j}", use("ad_t", scale), max_tokens=30, scope="T"))
+    h.scheduler.submit(req("base", None, max_tokens=12, scope="B"))
+    while h.finished("base") is None:
+        h.step()
+    turns = [g for g in groups_of(h)]
+    base_ticks = [i for i, g in enumerate(turns) if g == {""}]
+    assert all(b - a == 2 for a, b in zip(base_ticks, base_ticks[1:], strict=False)), turns
+    assert len({next(iter(g)) for g in turns if g != {""}}) == 3  # the scales rotate
+    h.run()
+
+
+def test_a_tenants_queue_cap_counts_every_adapter_and_scale(harness):
+    h = harness(FakeEngine(n_seq_max=2), max_queue=32, max_queue_per_scope=2)
+    h.scheduler.submit(req("a", use("ad_t", 1.0), scope="T"))
+    h.scheduler.submit(req("b", use("ad_t", 0.5), scope="T"))
+    with pytest.raises(Refusal) as refused:
+        h.scheduler.submit(req("c", use("ad_u", 0.25), scope="T"))
+    assert refused.value.code == "tenant_queue_full"
+    h.scheduler.submit(req("d", None, scope="U"))  # another tenant queues on
+
+
+def test_the_ram_tiers_tenant_share_counts_every_adapter_scope_of_the_tenant():
+    from scheduler_daemon.core.ram_cache import RamCache
+
+    ram = RamCache(1000, tenant_share=0.5)
+    ram.add("U", [1], "u", 100, now=0.0)  # another tenant: the share applies
+    for i, scale in enumerate((1.0, 0.5, 0.25)):
+        scope = scoped("T", use("ad_t", scale))
+        evicted, room = ram.make_room(scope, [i], 200)
+        assert room and len(evicted) == (i == 2)  # the third makes room in T's own 500
+        ram.add(scope, [i], "t", 200, now=0.0)
+    assert ram.scope_bytes("T") == 400 == ram.scope_bytes(scoped("T", use("ad_t", 9.0)))
+    assert ram.scope_bytes("U") == 100  # the other tenant's entry stays
