@@ -93,10 +93,10 @@ def _sha256(path: str) -> str:
 class AdapterRegistry:
     """Thread-safe. ``engine``: ``load_adapter(path)``, ``free_adapter(handle)``;
     ``base_path``: the base model's file (its tensor shapes, read once);
-    ``in_use``: the adapter ids the scheduler's requests hold (waiting or running). An
-    unloaded adapter's affinity head waits in ``take_unrouted`` for the heartbeat, which
-    drops it from the daemon's published summary (routing then stops preferring this
-    daemon for that adapter)."""
+    ``in_use``: the adapter ids the scheduler's requests hold (waiting or running). The
+    heartbeat publishes the loaded adapters' affinity heads (``routes``) in the daemon's
+    summary and drops those of unloaded ones (``take_unrouted``): routing prefers a daemon
+    for an adapter's jobs exactly while it holds the adapter loaded."""
 
     def __init__(self, engine: Any, base_path: str, max_loaded: int,
                  in_use: Callable[[], set[str]] = set, root: str | None = None) -> None:
@@ -307,6 +307,11 @@ class AdapterRegistry:
         return [loaded.handle for _, loaded in gone]
 
     # -- the heartbeat --------------------------------------------------------------------
+
+    def routes(self) -> set[str]:
+        """The affinity heads of the loaded adapters' jobs (one per tenant and scale)."""
+        with self._lock:
+            return {h for loaded in self._loaded.values() for h in loaded.routes}
 
     def take_unrouted(self) -> list[str]:
         """The affinity heads of adapters unloaded since the last call."""

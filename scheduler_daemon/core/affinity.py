@@ -56,18 +56,6 @@ class AffinitySummary:
             self._size -= len(held)
             return list(held)
 
-    def discard(self, digests: list[str]) -> list[str]:
-        """Drop these hashes wherever they are held (an unloaded adapter's head); which were."""
-        with self._lock:
-            removed = []
-            for held in self._tenants.values():
-                for digest in digests:
-                    if digest in held:
-                        del held[digest]
-                        removed.append(digest)
-            self._size -= len(removed)
-            return removed
-
     def all(self) -> list[str]:
         with self._lock:
             return [d for held in self._tenants.values() for d in held]

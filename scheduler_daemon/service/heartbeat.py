@@ -115,14 +115,19 @@ class Heartbeat:
         resync = self._beats % PRUNE_EVERY_BEATS == 0
         if self.intake is not None:
             summary = self.intake.summary_key
-            unrouted = self.intake.summary.discard(self.core.adapters.take_unrouted())
-            if unrouted:  # adapters unloaded here: routing stops preferring this daemon
+            # the loaded adapters' heads (routing prefers this daemon for their jobs), and
+            # no more those of adapters unloaded here
+            heads = self.core.adapters.routes()
+            unrouted = [h for h in self.core.adapters.take_unrouted() if h not in heads]
+            if unrouted:
                 pipe.srem(summary, *unrouted)
             if resync:  # the whole summary again now and then (a write lost to an outage)
                 pipe.delete(summary)
                 held = self.intake.summary.all()
                 if held:
                     pipe.sadd(summary, *held)
+            if heads:
+                pipe.sadd(summary, *heads)
             pipe.expire(summary, SUMMARY_TTL_S)
         pipe.execute()
         self._beats += 1

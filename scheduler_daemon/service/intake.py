@@ -441,6 +441,8 @@ class Intake:
             return
         self.taken_by_tenant[job.tenant_id] += 1
         chain = job.affinity
+        if job.adapter and isinstance(chain, list):
+            chain = chain[1:]  # its adapter's head: published while the adapter is loaded
         if isinstance(chain, list) and len(chain) <= wire_affinity.MAX_PIECES and all(
                 isinstance(d, str) and len(d) == 2 * wire_affinity.HASH_BYTES for d in chain):
             added, removed = self.summary.record(job.tenant_id, chain)

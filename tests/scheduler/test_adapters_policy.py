@@ -234,25 +234,24 @@ def test_a_tenants_eviction_reaches_its_adapters_scopes_and_no_one_elses(harness
     assert {s.scope for s in h.scheduler.slots() if s.tokens} == {"TT"}
 
 
-def test_an_unloaded_adapters_affinity_head_leaves_the_summary(harness, monkeypatch):
-    from scheduler_daemon.core.affinity import AffinitySummary
-
+def test_a_loaded_adapters_affinity_heads_are_published_until_it_is_unloaded(
+        harness, monkeypatch):
     FakeLoads(monkeypatch)
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
     registry = AdapterRegistry(h.engine, "base.gguf", 1, h.scheduler.adapters_in_use)
     h.scheduler.adapters = registry
-    summary = AffinitySummary()
-    summary.record("t", ["head-a", "piece"])
-    with registry.hold(spec("ad_a"), route="head-a") as u:
-        h.scheduler.submit(req("a1", u, max_tokens=2))
+    for route in ("head-a-1.0", "head-a-0.5"):  # one head per scale (and tenant)
+        with registry.hold(spec("ad_a"), route=route) as u:
+            h.scheduler.submit(req(route, u, max_tokens=2))
     h.run()
-    assert registry.take_unrouted() == []  # loaded: its head stays
+    assert registry.routes() == {"head-a-1.0", "head-a-0.5"}
+    assert registry.take_unrouted() == []  # loaded: its heads stay
     with registry.hold(spec("ad_b"), route="head-b") as u:  # a makes room for b
         h.scheduler.submit(req("b1", u, max_tokens=2))
     h.run()
-    heads = registry.take_unrouted()
-    assert heads == ["head-a"] and registry.take_unrouted() == []
-    assert summary.discard(heads) == ["head-a"] and summary.all() == ["piece"]
+    assert registry.routes() == {"head-b"}
+    assert sorted(registry.take_unrouted()) == ["head-a-0.5", "head-a-1.0"]
+    assert registry.take_unrouted() == []
 
 
 def test_a_tenants_scales_and_adapters_share_one_turn_a_round(harness):
