@@ -120,7 +120,7 @@ def first_load(core: InferenceCore, path: Path, n: int, prompt: list[int]) -> di
     cold_ms = cold.result(timeout=300).finished.stats.ttft_ms
     warm = core.submit(prompt=prompt, params=params, cache_prompt=False, adapter=adapter)
     warm_ms = warm.result(timeout=300).finished.stats.ttft_ms
-    # ttft counts from the submit's return: the load ran inside the submit, before it
+    # ttft counts from the start of the submit, whose check, hash and load it includes
     return {"load_ms": core.adapters.summary()["load_ms"][adapter["id"]],
             "cold_ttft_ms": round(cold_ms, 1), "warm_ttft_ms": round(warm_ms, 1)}
 

@@ -78,6 +78,7 @@ class AdapterUse:
 class _Loaded:
     handle: Any
     sha256: str
+    tenant: str | None = None  # whose adapter (its job's tenant scope)
     # the heads of its jobs' affinity chains (wire/affinity.py: one per tenant and scale)
     routes: set[str] = field(default_factory=set)
 
@@ -103,6 +104,7 @@ class AdapterRegistry:
         self.engine = engine
         self.base_path = base_path
         self.max_loaded = max(1, int(max_loaded))
+        self.per_tenant = max(1, self.max_loaded // 2)  # loaded adapters of one tenant
         self.in_use = in_use
         self.root = os.path.realpath(root) if root else None  # ADAPTERS_DIR: files inside it
         self._copies: str | None = None  # the private folder of files being loaded
@@ -124,8 +126,8 @@ class AdapterRegistry:
     # -- the preparing threads --------------------------------------------------------
 
     @contextmanager
-    def hold(self, spec: dict[str, Any] | None,
-             route: str | None = None) -> Iterator[AdapterUse | None]:
+    def hold(self, spec: dict[str, Any] | None, route: str | None = None,
+             tenant: str | None = None) -> Iterator[AdapterUse | None]:
         """The job's ``AdapterUse`` (None: the base model), loaded, and held until the block
         ends: the caller submits its requests inside it (from then the scheduler's
         ``in_use`` holds it). Refusal: ``adapter_unusable`` (the file fails its check),
@@ -133,7 +135,7 @@ class AdapterRegistry:
         if spec is None:
             yield None
             return
-        use = self._acquire(spec, route)
+        use = self._acquire(spec, route, tenant)
         try:
             yield use
         finally:
@@ -142,7 +144,8 @@ class AdapterRegistry:
                 if self._pending[use.id] <= 0:
                     del self._pending[use.id]
 
-    def _acquire(self, spec: dict[str, Any], route: str | None) -> AdapterUse:
+    def _acquire(self, spec: dict[str, Any], route: str | None,
+                 tenant: str | None) -> AdapterUse:
         adapter_id, path, sha = str(spec["id"]), str(spec["path"]), str(spec["sha256"])
         scale = float(spec["scale"])
         use = self._take_loaded(adapter_id, sha, scale, spec, route)
@@ -156,16 +159,16 @@ class AdapterRegistry:
             if use is not None:
                 return use
             with self._lock:
-                self._make_room_locked(dry_run=True)  # adapters_busy before any loading
+                self._make_room_locked(tenant, dry_run=True)  # adapters_busy before loading
             t0 = time.monotonic()
             handle = self._load(adapter_id, path, sha)
             with self._lock:
                 try:
-                    self._make_room_locked()
+                    self._make_room_locked(tenant)
                 except Refusal:
                     self._retiring.append((adapter_id, _Loaded(handle, sha)))  # freed next tick
                     raise
-                self._loaded[adapter_id] = _Loaded(handle, sha)
+                self._loaded[adapter_id] = _Loaded(handle, sha, tenant)
                 self.loads[adapter_id] += 1
                 self.load_ms[adapter_id] = (time.monotonic() - t0) * 1000
                 self._bound_counters()
@@ -246,14 +249,21 @@ class AdapterRegistry:
         finally:
             os.close(fd)
 
-    def _make_room_locked(self, dry_run: bool = False) -> None:
-        """Room for one more below ``max_loaded``: the least recently used adapter no
-        request holds is retired (freed at the next tick, before this job's first decode),
-        or ``adapters_busy``."""
-        if len(self._loaded) < self.max_loaded:
+    def _make_room_locked(self, tenant: str | None, dry_run: bool = False) -> None:
+        """Room for one more of ``tenant``'s adapters: a tenant holds at most half of
+        ``max_loaded`` (at least one), so no tenant's adapters, busy or not, can take every
+        place; past that, or past ``max_loaded``, the least recently used adapter (the
+        tenant's own first) that no request holds is retired (freed at the next tick,
+        before this job's first decode); else ``adapters_busy``."""
+        mine = [a for a, loaded in self._loaded.items() if loaded.tenant == tenant]
+        if tenant is not None and len(mine) >= self.per_tenant:
+            candidates = mine
+        elif len(self._loaded) >= self.max_loaded:
+            candidates = list(self._loaded)  # least recently used first
+        else:
             return
         busy = self.in_use() | set(self._pending)
-        for adapter_id in list(self._loaded):  # least recently used first
+        for adapter_id in candidates:
             if adapter_id not in busy:
                 if not dry_run:
                     self._retire_locked(adapter_id)

@@ -411,6 +411,7 @@ class InferenceCore:
             raise InvalidParameter("session", "must be a string")
         choices = n * (len(prompts) if prompts is not None else 1)
         self.scheduler.check_capacity(cache_scope, max_queued, choices)  # before tokenizing
+        tenant = cache_scope
         if adapter is not None:  # the tenant's scope under this adapter and scale
             cache_scope = f"{cache_scope}{SCOPE_SEP}{protocol.adapter_tag(adapter)}"
         request_id = request_id or uuid.uuid4().hex
@@ -428,7 +429,7 @@ class InferenceCore:
             batch, n_prompt = [tokens] * n, len(tokens)
         # the adapter is loaded (off the tick) once the prompt is known to be usable, and
         # held until the scheduler holds the job's requests
-        with self.adapters.hold(adapter, route) as use:
+        with self.adapters.hold(adapter, route, tenant) as use:
             shared = dict(cache_scope=cache_scope, session=session, cache_prompt=cache_prompt,
                           max_queued=max_queued, adapter=use, arrival=arrival,
                           # the scheduler's clock is monotonic; a wall-clock deadline

@@ -9,6 +9,7 @@ import pytest
 
 from scheduler_daemon.core.inference import InferenceCore
 from scheduler_daemon.core.scheduler import SchedulerConfig
+from scheduler_daemon.core.state import TokenEvent
 from scheduler_daemon.llama.errors import EngineError
 from tests.fixtures.lora_adapter import write_lora
 from wire.sampling import SamplingParams
@@ -93,11 +94,24 @@ def test_an_adapters_requests_decode_apart_from_the_base_models_in_the_same_tick
     tuned_alone = ask(core, adapter=spec, cache_prompt=False).result(timeout=120).text
     assert tuned_alone != base_alone
     # both at once, twice over: each group decodes alone, so each gets its own output
+    groups = []
+    core.tick_listeners.append(lambda stats: groups.append(core.scheduler.last_plan.group))
     handles = [ask(core, adapter=spec if i % 2 else None, cache_prompt=False)
                for i in range(4)]
     texts = [h.result(timeout=120).text for h in handles]
     assert texts == [base_alone, tuned_alone, base_alone, tuned_alone]
-    assert core.scheduler.counters["adapter_switches"] >= 3
+    # the groups took turns tick by tick while both had work (one after the other would
+    # switch 3 times)
+    assert sum(a != b for a, b in zip(groups, groups[1:], strict=False)) >= 10, groups
+    # n > 1 under the adapter: every choice is decoded under it
+    both = core.submit(prompt=PROMPT, params=SamplingParams(temperature=0, max_tokens=10),
+                       cache_scope="t1", adapter=spec, cache_prompt=False, n=2)
+    texts = ["", ""]
+    for event in both.events(timeout=120):
+        if isinstance(event, TokenEvent):
+            texts[event.index] += event.text
+    # (two rows: another batch shape than alone, so compared with each other and the base)
+    assert texts[0] == texts[1] and texts[0] != base_alone
     summary = core.adapters.summary()
     assert summary["loaded"] == [spec["id"]] and summary["loads"] == {spec["id"]: 1}
     assert summary["tokens"][spec["id"]] > 0

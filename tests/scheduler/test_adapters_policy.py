@@ -293,3 +293,73 @@ def test_the_ram_tiers_tenant_share_counts_every_adapter_scope_of_the_tenant():
         ram.add(scope, [i], "t", 200, now=0.0)
     assert ram.scope_bytes("T") == 400 == ram.scope_bytes(scoped("T", use("ad_t", 9.0)))
     assert ram.scope_bytes("U") == 100  # the other tenant's entry stays
+
+
+def test_no_tenant_holds_more_than_half_the_loaded_adapters(harness, monkeypatch):
+    FakeLoads(monkeypatch)
+    h = harness(FakeEngine(n_seq_max=8), max_queue=16)
+    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
+    h.scheduler.adapters = registry
+
+    def submit(rid: str, adapter_id: str, tenant: str) -> None:
+        with registry.hold(spec(adapter_id), tenant=tenant) as u:
+            h.scheduler.submit(req(rid, u, max_tokens=3, scope=tenant))
+
+    submit("t1", "ad_t1", "T")
+    submit("t2", "ad_t2", "T")
+    with pytest.raises(Refusal) as refused:  # T's two are busy: T may not take a third
+        submit("t3", "ad_t3", "T")
+    assert refused.value.code == "adapters_busy"
+    submit("u1", "ad_u1", "U")  # another tenant still finds room
+    h.run()
+    submit("t3", "ad_t3", "T")  # T's own least recently used (t1) makes room
+    h.step()
+    assert sorted(registry.summary()["loaded"]) == ["ad_t2", "ad_t3", "ad_u1"]
+    h.run()
+
+
+def one_group_per_decode(h) -> list[set[str]]:
+    """Record the groups of every decode call (failed ones too) as they happen."""
+    seen: list[set[str]] = []
+
+    def check(rows) -> None:
+        by_seq = {s.seq_id: s.request for s in h.scheduler.slots()}
+        seen.append({by_seq[r.seq_id].group for r in rows})
+        assert len(seen[-1]) == 1, seen[-1]
+
+    h.engine.on_decode = check
+    return seen
+
+
+def test_a_kv_pressure_replan_keeps_its_groups_rows_apart(harness):
+    h = harness(FakeEngine(n_ctx=1024, n_batch=256, n_seq_max=4, kv_cells=150), max_queue=8,
+                chunk_size=256, kv_block_tokens=16)
+    seen = one_group_per_decode(h)
+    a = use("ad_a")
+    h.scheduler.submit(req("a1", a, prompt=60, max_tokens=10))
+    h.scheduler.submit(req("a2", a, prompt=60, max_tokens=10))
+    h.scheduler.submit(req("b1", None, prompt=60, max_tokens=10, scope="B"))
+    h.run()
+    assert h.scheduler.counters["kv_pressure"] > 0  # re-planned under pressure
+    assert {frozenset(g) for g in seen} == {frozenset({a.group}), frozenset({""})}
+    assert all(h.finished(r) is not None for r in ("a1", "a2", "b1"))
+
+
+def test_a_preempted_adapter_request_resumes_under_its_adapter(harness):
+    h = harness(FakeEngine(n_ctx=4096), preempt_min_tokens=8, max_queue=8)
+    seen = one_group_per_decode(h)
+    a = use("ad_a")
+    for i in range(4):
+        h.scheduler.submit(req(f"a{i}", a, prompt=8, max_tokens=40, scope="A"))
+    for _ in range(10):
+        h.step()
+    h.scheduler.submit(req("b0", None, prompt=8, max_tokens=4, scope="B"))
+    h.run()
+    preempted = [rid for plan in h.plans for rid in plan.preempted]
+    resumed = [rid for plan in h.plans for rid in plan.resumed]
+    assert preempted == resumed == ["a3"]
+    back = next(i for i, plan in enumerate(h.plans) if "a3" in plan.resumed)
+    refill = next(p for p in h.plans[back:] if "a3" in p.request_ids)
+    assert refill.group == a.group and refill.adapter_set == [(a.handle, 1.0)]
+    assert all(len(g) == 1 for g in seen)
+    assert h.finished("a3").stats.completion_tokens == 40
