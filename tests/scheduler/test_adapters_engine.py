@@ -132,3 +132,22 @@ def test_a_prefix_cached_under_an_adapter_is_reused_only_under_it_at_its_scale(
     assert cached({**spec, "scale": 0.5}) == 0  # another scale: again
     assert cached(spec, scope="t2") == 0  # another tenant, the same adapter: again
     assert cached(None) > 200 and cached({**spec, "scale": 0.5}) > 200  # each its own
+
+
+def test_a_flood_on_an_adapter_delays_the_base_model_by_one_turn(core, adapter_file):
+    """Three slots full of one tenant's adapter requests (more queued), then a base-model
+    request from another tenant: once it holds a slot, it decodes every other tick."""
+    spec = adapter_spec(adapter_file)
+    flood = [ask(core, f"Story {i}:", adapter=spec, scope="flood", max_tokens=40,
+                 cache_prompt=False) for i in range(6)]
+    groups: list[str] = []
+    core.tick_listeners.append(lambda stats: groups.append(core.scheduler.last_plan.group))
+    base = ask(core, PROMPT, scope="other", max_tokens=12, cache_prompt=False)
+    base.result(timeout=300)
+    for handle in flood:
+        handle.result(timeout=300)
+    ours = [i for i, g in enumerate(groups) if g == ""]
+    assert len(ours) >= 12  # its prefill and its 12 tokens' decodes (with the first sample)
+    first, last = ours[0], ours[11]
+    assert all(b - a == 2 for a, b in zip(ours[:12], ours[1:12], strict=False)), groups
+    assert set(groups[first:last]) == {"", spec["id"] + "@1.0"}
