@@ -14,7 +14,8 @@ distinct ~100-token prompt and ``--tokens`` new tokens (ignore_eos, greedy, no p
 cache). Per round: aggregate generated tokens/s and, for ``mixed``, each group's
 TTFT p50 and the adapter switches. Reported: the median of the per-round ratios
 mixed / base (target >= 0.8), each group's median TTFT p50 against the fastest group's
-(target <= 1.5), and the first request to an adapter not loaded yet: its TTFT against the
+(target <= 1.5; groups ``g0``, the base model, to ``g4``; the same five sets of streams in
+the base load give the workload's own spread), and the first request to an adapter not loaded yet: its TTFT against the
 same request once the adapter is loaded, with the load's own time (check + hash +
 ``llama_adapter_lora_init``). ``--decode-costs-only``: where the time goes instead, one
 ``llama_decode``'s ms for 20 and 4 rows, with and without an adapter, and right after a
@@ -72,7 +73,7 @@ def run(core: InferenceCore, load: list[tuple[list[list[int]], dict | None]], ne
     (ms), and the ticks: how many, the median decode-only tick's llama_decode ms and rows,
     the seconds inside llama_decode against the wall."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    done: list[tuple[object, dict | None]] = []
+    done: list[tuple[object, dict | None, int]] = []
     lock = threading.Lock()
 
     def stream(i: int, turns: list[list[int]], adapter: dict | None) -> None:
@@ -83,7 +84,7 @@ def run(core: InferenceCore, load: list[tuple[list[list[int]], dict | None]], ne
                             cache_scope=str(i % 5), adapter=adapter)
             stats = h.result(timeout=900).finished.stats
             with lock:
-                done.append((stats, adapter))
+                done.append((stats, adapter, i % 5))
             time.sleep(pause.uniform(0, 0.3))  # a client's think time
 
     ticks: list = []
@@ -106,9 +107,11 @@ def run(core: InferenceCore, load: list[tuple[list[list[int]], dict | None]], ne
               "eval_s": round(sum(t.eval_ms for t in ticks) / 1000, 2),
               "wall_s": round(elapsed, 2)}
     ttft: dict[str, list[float]] = {}
-    for stats, adapter in done:
-        ttft.setdefault(adapter["id"] if adapter else "base", []).append(stats.ttft_ms)
-    return (sum(s.completion_tokens for s, _ in done) / elapsed,
+    for stats, _adapter, group in done:
+        # by the stream's group (i % 5): the mixed load's groups, and the same five sets
+        # of streams in the base load (their spread there is the workload's own)
+        ttft.setdefault(f"g{group}", []).append(stats.ttft_ms)
+    return (sum(s.completion_tokens for s, _, _ in done) / elapsed,
             {g: statistics.median(v) for g, v in ttft.items()}, decode)
 
 
@@ -216,12 +219,14 @@ def main() -> None:
                 switches = core.scheduler.counters["adapter_switches"]
                 got[kind] = run(core, base_load if kind == "base" else mixed_load, args.tokens)
                 got[kind + "_switches"] = core.scheduler.counters["adapter_switches"] - switches
-            ttft = got["mixed"][1]
+            ttft, base_ttft = got["mixed"][1], got["base"][1]
             row = {"round": r, "base_tok_s": round(got["base"][0], 1),
                    "mixed_tok_s": round(got["mixed"][0], 1),
                    "ratio": round(got["mixed"][0] / got["base"][0], 3),
-                   "base_ttft_p50_ms": round(got["base"][1]["base"], 1),
-                   "mixed_ttft_p50_ms": {g: round(v, 1) for g, v in ttft.items()},
+                   "base_ttft_p50_ms": {g: round(v, 1) for g, v in sorted(base_ttft.items())},
+                   "mixed_ttft_p50_ms": {g: round(v, 1) for g, v in sorted(ttft.items())},
+                   "base_ttft_spread": round(max(base_ttft.values()) / min(base_ttft.values()),
+                                             3),
                    "ttft_spread": round(max(ttft.values()) / min(ttft.values()), 3),
                    "switches": got["mixed_switches"],
                    "base_ticks": got["base"][2], "mixed_ticks": got["mixed"][2]}
@@ -233,6 +238,7 @@ def main() -> None:
         core.stop(grace_s=0)
     groups = rows[0]["mixed_ttft_p50_ms"].keys()
     per_group = {g: statistics.median(r["mixed_ttft_p50_ms"][g] for r in rows) for g in groups}
+    per_base = {g: statistics.median(r["base_ttft_p50_ms"][g] for r in rows) for g in groups}
     print(json.dumps({
         "bench": "adapters", "machine": machine(), "command": command(),
         "rounds": args.rounds, "streams": n, "new_tokens": args.tokens,
@@ -241,6 +247,8 @@ def main() -> None:
         "median_mixed_tok_s": statistics.median(r["mixed_tok_s"] for r in rows),
         "median_ttft_p50_by_group_ms": per_group,
         "ttft_p50_spread": round(max(per_group.values()) / min(per_group.values()), 3),
+        "base_median_ttft_p50_by_group_ms": per_base,
+        "base_ttft_p50_spread": round(max(per_base.values()) / min(per_base.values()), 3),
         "median_switches_per_mixed_round": statistics.median(r["switches"] for r in rows),
         "first_load": cold,
     }))

@@ -172,6 +172,7 @@ class Scheduler:
         self.adapters: AdapterRegistry | None = None
         self._group = ""
         self._group_turns: dict[str, int] = {}
+        self._round_served: set[str] = set()  # turn units that had their turn this round
         self.group_tokens: Counter[str] = Counter()
         self._admitting = True
         # KV cells are only touched on the loop thread (llama.cpp's memory is not safe to
@@ -897,31 +898,38 @@ class Scheduler:
         self.last_plan = plan
 
     def _next_group(self) -> str:
-        """The adapter group whose turn it is: of the groups with a slot at work, the one
-        whose last turn is the oldest (a new one first; ties: the fewest tokens decoded).
-        Each group with work gets one tick per round, whatever its number of rows, so a
-        flood on one adapter delays another group's requests by one turn per round."""
-        owners = {s.request.group: s.request.tenant for s in self._slots
-                  if s.request is not None and s.state is not SlotState.IDLE}
-        groups = set(owners)
-        if len(groups) <= 1:
-            group = next(iter(groups), self._group)
+        """The adapter group whose turn it is. Turns go in rounds: in a round every turn
+        unit with work decodes once (the base model's group is a unit; a tenant's adapter
+        groups, its adapters and scales, are one unit between them), whatever its number of
+        rows, so a flood on one adapter delays another unit's requests by at most one turn
+        per unit with work. Within a round, the group whose oldest request waiting for its
+        first token arrived first goes first (a burst's prefills in arrival order, not in a
+        fixed rotation that would favour the same groups round after round); groups only
+        decoding follow, the one whose last turn is the oldest first."""
+        active = [s.request for s in self._slots
+                  if s.request is not None and s.state is not SlotState.IDLE]
+        owners = {r.group: r.tenant for r in active}
+        if len(owners) <= 1:
+            group = next(iter(owners), self._group)
         else:
-            def last_turn(g: str) -> int:
-                """A tenant's adapter groups (its adapters, its scales) share one turn a
-                round: their last turn is the latest of theirs (the base model's group,
-                every tenant's, has its own)."""
-                if not g:
-                    return self._group_turns.get(g, -1)
-                return max(self._group_turns.get(h, -1) for h in groups
-                           if h and owners[h] == owners[g])
+            def unit(g: str) -> str:
+                return f"tenant:{owners[g]}" if g else ""
 
-            group = min(groups, key=lambda g: (last_turn(g), self._group_turns.get(g, -1),
-                                               self.group_tokens[g], g != self._group))
+            units = {unit(g) for g in owners}
+            if not units - self._round_served:  # every unit with work had its turn
+                self._round_served = set()
+            waiting: dict[str, float] = {}
+            for r in active:
+                if r.status is Status.PREFILLING:
+                    waiting[r.group] = min(waiting.get(r.group, math.inf), r.arrival)
+            group = min((g for g in owners if unit(g) not in self._round_served),
+                        key=lambda g: (waiting.get(g, math.inf), self._group_turns.get(g, -1),
+                                       self.group_tokens[g], g))
+            self._round_served.add(unit(group))
         self._group_turns[group] = self._tick
         if len(self._group_turns) > 4 * len(self._slots):  # groups gone idle: forgotten
-            self._group_turns = {g: t for g, t in self._group_turns.items() if g in groups}
-            self.group_tokens = Counter({g: self.group_tokens[g] for g in groups})
+            self._group_turns = {g: t for g, t in self._group_turns.items() if g in owners}
+            self.group_tokens = Counter({g: self.group_tokens[g] for g in owners})
         return group
 
     def adapters_in_use(self) -> set[str]:

@@ -363,3 +363,20 @@ def test_a_preempted_adapter_request_resumes_under_its_adapter(harness):
     assert refill.group == a.group and refill.adapter_set == [(a.handle, 1.0)]
     assert all(len(g) == 1 for g in seen)
     assert h.finished("a3").stats.completion_tokens == 40
+
+
+def test_within_a_round_prefills_go_in_arrival_order_and_no_unit_goes_twice(harness):
+    h = harness(FakeEngine(n_ctx=8192, n_seq_max=8), max_queue=32)
+    a, b, c = use("ad_a"), use("ad_b"), use("ad_c")
+    h.scheduler.submit(req("c1", c, max_tokens=8, scope="C"))  # c's arrives first
+    h.scheduler.submit(req("a1", a, max_tokens=8, scope="A"))
+    h.scheduler.submit(req("b1", b, max_tokens=8, scope="B"))
+    h.scheduler.submit(req("base", None, max_tokens=8, scope="D"))
+    for _ in range(4):
+        h.step()
+    first_round = [next(iter(g)) for g in groups_of(h)[:4]]
+    assert first_round == [c.group, a.group, b.group, ""]  # the prefills by arrival
+    h.run()
+    turns = [next(iter(g)) for g in groups_of(h)]
+    for i in range(0, len(turns) - 3, 4):  # every round: each of the four once
+        assert sorted(turns[i:i + 4]) == sorted(["", a.group, b.group, c.group]), turns
