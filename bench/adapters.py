@@ -15,11 +15,11 @@ cache). Per round: aggregate generated tokens/s and, for ``mixed``, each group's
 TTFT p50 and the adapter switches. Reported: the median of the per-round ratios
 mixed / base (target >= 0.8), each group's median TTFT p50 against the fastest group's
 (target <= 1.5; groups ``g0``, the base model, to ``g4``; the same five sets of streams in
-the base load give the workload's own spread), and the first request to an adapter not loaded yet: its TTFT against the
-same request once the adapter is loaded, with the load's own time (check + hash +
-``llama_adapter_lora_init``). ``--decode-costs-only``: where the time goes instead, one
-``llama_decode``'s ms for 20 and 4 rows, with and without an adapter, and right after a
-switch. Run: .venv/bin/python bench/adapters.py [--rounds 5]
+the base load give the workload's own spread), and the first request to an adapter not
+loaded yet: its TTFT against the same request once the adapter is loaded, with the load's
+own time (copy + check + hash + ``llama_adapter_lora_init``). ``--decode-costs-only``:
+where the time goes instead, one ``llama_decode``'s ms for 20 and 4 rows, with and without
+an adapter, and right after a switch. Run: .venv/bin/python bench/adapters.py [--rounds 4]
 The last line printed is JSON.
 """
 
