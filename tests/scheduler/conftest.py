@@ -109,3 +109,6 @@ def core(gemma_engine):
     core.start()
     yield core
     core.stop(grace_s=0)
+    gemma_engine.use_adapters([])  # adapters a test loaded go with its core
+    for handle in core.adapters.free_all():
+        gemma_engine.free_adapter(handle)

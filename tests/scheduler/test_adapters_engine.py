@@ -71,17 +71,6 @@ def adapter_spec(path, adapter_id: str = "ad_00000000000000a1", scale: float = 1
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
-@pytest.fixture
-def core(gemma_engine):
-    core = InferenceCore(gemma_engine, SchedulerConfig(chunk_size=512, max_queue=16))
-    core.start()
-    yield core
-    core.stop(grace_s=0)
-    for handle in core.adapters.free_all():
-        gemma_engine.use_adapters([])
-        gemma_engine.free_adapter(handle)
-
-
 def ask(core, prompt=PROMPT, adapter=None, scope="t1", max_tokens=10, **kw):
     return core.submit(prompt=prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens),
                        cache_scope=scope, adapter=adapter, **kw)

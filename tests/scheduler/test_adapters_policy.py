@@ -98,6 +98,14 @@ class FakeLoads:
                             else path)
 
 
+def registry_on(h, max_loaded: int = 4, **kw) -> AdapterRegistry:
+    """An adapter registry over the harness's engine and scheduler."""
+    registry = AdapterRegistry(h.engine, "base.gguf", max_loaded, h.scheduler.adapters_in_use,
+                               **kw)
+    h.scheduler.adapters = registry
+    return registry
+
+
 def spec(adapter_id: str, scale: float = 1.0) -> dict:
     return {"id": adapter_id, "path": f"/adapters/{adapter_id}.gguf", "sha256": "0" * 64,
             "scale": scale}
@@ -136,8 +144,7 @@ def test_a_deleted_adapter_is_unloaded_when_its_requests_end_and_never_loaded_ag
         harness, monkeypatch):
     FakeLoads(monkeypatch)
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
-    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
-    h.scheduler.adapters = registry
+    registry = registry_on(h, 4)
     with registry.hold(spec("ad_a")) as u:
         h.scheduler.submit(req("a1", u, max_tokens=5))
     h.step()
@@ -161,7 +168,7 @@ def test_a_file_that_is_not_the_registered_one_is_refused_before_llama_cpp_sees_
     checked = []
     monkeypatch.setattr(adapters_module, "check_adapter", lambda path, base: checked.append(path))
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
-    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
+    registry = registry_on(h, 4)
     path = tmp_path / "a.gguf"
     path.write_bytes(b"an adapter that passes the check, changed since it was registered")
     with pytest.raises(Refusal) as refused:
@@ -178,8 +185,7 @@ def test_a_fifo_a_link_and_a_file_outside_the_folder_are_refused_without_waiting
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
     root = tmp_path / "adapters"
     root.mkdir()
-    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use,
-                               root=str(root))
+    registry = registry_on(h, 4, root=str(root))
     fifo = root / "fifo.gguf"
     os.mkfifo(fifo)  # an open() that blocked would hang this test
     outside = tmp_path / "outside.gguf"
@@ -202,8 +208,7 @@ def test_a_load_that_llama_cpp_refuses_is_adapter_unusable_and_evicts_nothing(
         harness, monkeypatch):
     FakeLoads(monkeypatch)
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
-    registry = AdapterRegistry(h.engine, "base.gguf", 1, h.scheduler.adapters_in_use)
-    h.scheduler.adapters = registry
+    registry = registry_on(h, 1)
     monkeypatch.setattr(adapters_module.AdapterRegistry, "_private_copy",
                         lambda self, path: path)
     with registry.hold(spec("ad_a")):
@@ -238,8 +243,7 @@ def test_a_loaded_adapters_affinity_heads_are_published_until_it_is_unloaded(
         harness, monkeypatch):
     FakeLoads(monkeypatch)
     h = harness(FakeEngine(n_seq_max=4), max_queue=8)
-    registry = AdapterRegistry(h.engine, "base.gguf", 1, h.scheduler.adapters_in_use)
-    h.scheduler.adapters = registry
+    registry = registry_on(h, 1)
     for route in ("head-a-1.0", "head-a-0.5"):  # one head per scale (and tenant)
         with registry.hold(spec("ad_a"), route=route) as u:
             h.scheduler.submit(req(route, u, max_tokens=2))
@@ -298,8 +302,7 @@ def test_the_ram_tiers_tenant_share_counts_every_adapter_scope_of_the_tenant():
 def test_no_tenant_holds_more_than_half_the_loaded_adapters(harness, monkeypatch):
     FakeLoads(monkeypatch)
     h = harness(FakeEngine(n_seq_max=8), max_queue=16)
-    registry = AdapterRegistry(h.engine, "base.gguf", 4, h.scheduler.adapters_in_use)
-    h.scheduler.adapters = registry
+    registry = registry_on(h, 4)
 
     def submit(rid: str, adapter_id: str, tenant: str) -> None:
         with registry.hold(spec(adapter_id), tenant=tenant) as u:
