@@ -144,3 +144,21 @@ def test_the_quarantine_tells_a_job_under_an_adapter_from_the_same_job_without()
     fingerprints = {job_fingerprint(job(x)) for x in (None, a, {**a, "sha256": "2" * 64})}
     assert len(fingerprints) == 3
     assert job_fingerprint(job(a)) == job_fingerprint(job({**a, "path": "/b", "scale": 0.5}))
+
+
+def test_with_every_loaded_adapter_held_another_is_adapters_busy_then_served(make_daemon,
+                                                                             files):
+    daemon = make_daemon(MAX_LOADED_ADAPTERS="1").start()
+    held = spec(files["good"], 7)
+    other = {**spec(files["good"], 8)}  # another adapter (the same file under another id)
+    long = daemon.enqueue(prompt=PROMPT, adapter=held, cache_prompt=False,
+                          params={"temperature": 0, "max_tokens": 400, "ignore_eos": True})
+    daemon.wait_for(long.id, protocol.TOKEN)  # loaded, and held while it runs
+    _, data = text_of(daemon, ask(daemon, other))
+    assert data["code"] == "adapters_busy" and data["retry_after_s"] == 1
+    daemon.cancel(long.id)
+    daemon.events(long.id)
+    text, _ = text_of(daemon, ask(daemon, other))  # the held one goes: room for it
+    assert text
+    adapters = until(daemon, lambda a: a["loaded"] == [other["id"]])
+    assert adapters["unloads"][held["id"]] == 1
