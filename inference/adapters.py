@@ -23,6 +23,7 @@ from django.dispatch import receiver
 from inference import broker, db
 from inference.errors import invalid, model_not_found
 from inference.models import ADAPTER_NAME, Adapter
+from wire import protocol
 
 if TYPE_CHECKING:
     from accounts.models import ApiKey
@@ -122,7 +123,14 @@ def live_daemons_of(model: str) -> list[str]:
 
 
 def unload(key: str, model: str) -> list[str]:
-    """Send ``unload_adapter`` for ``key`` to every live daemon of ``model``; their ids."""
+    """Record ``key`` deleted (``protocol.DELETED_ADAPTERS``: a daemon that starts later
+    reads it) and send ``unload_adapter`` to every live daemon of ``model``; their ids."""
+    now = time.time()
+    client = broker.sync_client()
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(protocol.DELETED_ADAPTERS, {key: now})
+    pipe.zremrangebyscore(protocol.DELETED_ADAPTERS, 0, now - protocol.DELETED_ADAPTERS_TTL_S)
+    pipe.execute()
     daemons = live_daemons_of(model)
     for daemon_id in daemons:
         broker.send_command_sync(daemon_id, "unload_adapter", adapter=key)

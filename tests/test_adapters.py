@@ -213,6 +213,8 @@ def test_command_add_list_delete(parties, adapter_env, live_daemons, redis_clien
     assert commands_to(redis_client, same_model) == [
         {"action": "unload_adapter", "adapter": row.key}]
     assert commands_to(redis_client, other_model) == []
+    # recorded for daemons that start later (protocol.DELETED_ADAPTERS)
+    assert redis_client.zscore(protocol.DELETED_ADAPTERS, row.key) is not None
     with django_capture_on_commit_callbacks(execute=True):
         run("delete", "--tenant", "beta", "--model", adapter_env.model, "--name", "other")
     assert not Adapter.objects.exists() and len(commands_to(redis_client, same_model)) == 2

@@ -272,6 +272,13 @@ class Job:
         return int(self.retention_s or STREAM_RETENTION_S)
 
 
+# Deleted adapters (the web's deletions): a sorted set of adapter ids by deletion time, read
+# by a daemon as it starts (one that was down when ``unload_adapter`` went out never loads
+# a deleted adapter for a job still queued); entries older than DELETED_ADAPTERS_TTL_S go.
+DELETED_ADAPTERS = f"{PREFIX}:adapters:deleted"
+DELETED_ADAPTERS_TTL_S = 30 * 24 * 3600
+
+
 def adapter_tag(adapter: dict[str, Any] | None) -> str:
     """What a job's adapter adds to its prefix cache identity and its affinity salt: the file's
     hash and the scale ("" for the base model): a prefix computed under one adapter and scale

@@ -124,10 +124,13 @@ class SchedulerDaemon:
         return self.lifecycle.state
 
     def start(self) -> None:
-        """STARTING -> SERVING: the consumer group, a first heartbeat, this id's own pending
-        jobs recovered, then the threads."""
+        """STARTING -> SERVING: the consumer group, the adapters deleted so far (never
+        loaded here), a first heartbeat, this id's own pending jobs recovered, then the
+        threads."""
         self.intake.ensure_group()
         self.redis.delete(protocol.gone_key(self.daemon_id))  # back under this id
+        for adapter_id in self.redis.zrange(protocol.DELETED_ADAPTERS, 0, -1):  # while down
+            self.core.adapters.delete(protocol.as_text(adapter_id))
         self.heartbeat.beat()
         self.intake.recovery.reclaim_own()
         self.lifecycle.move(State.SERVING)

@@ -162,3 +162,16 @@ def test_with_every_loaded_adapter_held_another_is_adapters_busy_then_served(mak
     assert text
     adapters = until(daemon, lambda a: a["loaded"] == [other["id"]])
     assert adapters["unloads"][held["id"]] == 1
+
+
+def test_a_daemon_that_starts_after_a_deletion_never_loads_the_adapter(make_daemon, files):
+    adapter = spec(files["good"], 0xDD)
+    daemon = make_daemon()
+    daemon.redis.zadd(protocol.DELETED_ADAPTERS, {adapter["id"]: time.time()})  # the web's
+    try:
+        daemon.start()
+        _, data = text_of(daemon, ask(daemon, adapter))
+        assert data["code"] == "adapter_unusable"
+        assert adapter["id"] not in daemon.snapshot()["adapters"].get("loads", {})
+    finally:
+        daemon.redis.zrem(protocol.DELETED_ADAPTERS, adapter["id"])
