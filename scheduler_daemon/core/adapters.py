@@ -131,7 +131,7 @@ class AdapterRegistry:
         """The job's ``AdapterUse`` (None: the base model), loaded, and held until the block
         ends: the caller submits its requests inside it (from then the scheduler's
         ``in_use`` holds it). Refusal: ``adapter_unusable`` (the file fails its check),
-        ``adapters_busy`` (the loaded ones are all in use)."""
+        ``adapters_busy`` (the loaded ones are all in use), ``model_not_found`` (deleted)."""
         if spec is None:
             yield None
             return
@@ -182,8 +182,9 @@ class AdapterRegistry:
                      route: str | None) -> AdapterUse | None:
         """The use of a loaded adapter, held (None: not loaded)."""
         with self._lock:
-            if adapter_id in self._deleted:
-                raise Refusal(errors.ADAPTER_UNUSABLE, "The adapter was deleted.")
+            if adapter_id in self._deleted:  # (a web process resolved it before it knew)
+                raise Refusal(errors.MODEL_NOT_FOUND, "The adapter does not exist (deleted).",
+                              param="model")
             loaded = self._loaded.get(adapter_id)
             if loaded is not None and loaded.sha256 != sha:  # another file under its id
                 if adapter_id in self.in_use() or adapter_id in self._pending:

@@ -1,7 +1,7 @@
 """LoRA adapters in a real daemon (Gemma 3 270M, real Redis): a job's adapter is loaded on
 demand and changes the output; files that are not what they claim are refused with
 ``adapter_unusable`` before llama.cpp reads them, and the daemon's pid never changes; an
-operator's ``unload_adapter`` unloads it."""
+operator's ``unload_adapter`` unloads it (a job for it after that: 404 ``model_not_found``)."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def test_unload_adapter_unloads_it_and_it_is_never_loaded_again(daemon, files):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert daemon.redis.sismember(summary, "cd" * 8)  # its prefixes' hashes stay
-    _, data = text_of(daemon, ask(daemon, adapter))
-    assert data["code"] == "adapter_unusable"
+    _, data = text_of(daemon, ask(daemon, adapter))  # (a web process's lookup of 2 s)
+    assert data["code"] == "model_not_found" and data["status"] == 404
     assert os.path.exists(files["good"])  # unloading never touches the file
 
 
@@ -171,7 +171,7 @@ def test_a_daemon_that_starts_after_a_deletion_never_loads_the_adapter(make_daem
     try:
         daemon.start()
         _, data = text_of(daemon, ask(daemon, adapter))
-        assert data["code"] == "adapter_unusable"
+        assert data["code"] == "model_not_found"
         assert adapter["id"] not in daemon.snapshot()["adapters"].get("loads", {})
     finally:
         daemon.redis.zrem(protocol.DELETED_ADAPTERS, adapter["id"])
