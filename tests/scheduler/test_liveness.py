@@ -140,6 +140,9 @@ def test_a_loop_stuck_holding_the_lock_still_gives_a_snapshot_and_takes_cancels(
     core.tick_listeners.append(stuck_under_the_lock)
     core.start()
     try:
+        # a decode takes a moment outside the lock, as a real one does (a loop of instant
+        # decodes can keep the snapshot from the lock past its wait)
+        engine.on_decode = lambda rows: time.sleep(0.001)
         submit(core, "a", max_tokens=1000)
         wait_until(lambda: core.snapshot()["slots"][0]["state"] == "generating")
         hold.set()
