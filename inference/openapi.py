@@ -143,7 +143,7 @@ class CommonRequestSerializer(serializers.Serializer):
         help_text='"new" opens a session; its id (returned as session_id) continues it '
                   "(docs/api.md, Sessions)")
     locals()["continue"] = serializers.BooleanField(  # a keyword: named through locals()
-        required=False, help_text="with session_id: prompt/messages hold only the turn added")
+        required=False, help_text="with session_id: prompt/messages hold only the new turn")
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1,
                                  max_value=protocol.MAX_CHOICES,
                                  help_text="choices: the prompt prefilled once, sampled n ways")

@@ -26,11 +26,13 @@ import re
 from typing import Any
 
 from wire import protocol
+from wire.affinity import HASH_BYTES
 from wire.errors import InvalidParameter
 from wire.sampling import SamplingParams
 
 ADAPTER_ID = re.compile(r"ad_[0-9a-f]{16}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
+ROUTE = re.compile(rf"[0-9a-f]{{{2 * HASH_BYTES}}}")  # an affinity hash, as hex
 COMPILED_FIELDS = ("grammar", "json_schema")  # bounded by the engine when it compiles them
 KINDS = ("completion", "chat")
 
@@ -66,8 +68,17 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "keep_tokens": job.session_id is not None,
         "adapter": adapter_spec(job.adapter),
         # an adapter's jobs' affinity chains start with its head hash (wire/affinity.py)
-        "route": job.affinity[0] if job.adapter and job.affinity else None,
+        "route": _route(job),
     }
+
+
+def _route(job: protocol.Job) -> str | None:
+    """An adapter job's affinity head (its chain's first hash), if it has that shape."""
+    chain = job.affinity
+    if job.adapter and isinstance(chain, list) and chain and isinstance(chain[0], str) \
+            and ROUTE.fullmatch(chain[0]):
+        return chain[0]
+    return None
 
 
 def adapter_spec(raw: Any) -> dict[str, Any] | None:

@@ -125,12 +125,12 @@ class RequestState:
     refill: list[int] | None = None
     run_start_tokens: int = 0
     adapter: AdapterUse | None = None  # see Request
+    # its tenant (what the turns, shares and caps count by): its cache scope without an
+    # adapter's tag (set from it once, off the per-tick paths that read it)
+    tenant: str = field(init=False)
 
-    @property
-    def tenant(self) -> str:
-        """Its tenant (what the turns, shares and caps count by): its cache scope without
-        an adapter's tag."""
-        return tenant_of(self.cache_scope)
+    def __post_init__(self) -> None:
+        self.tenant = tenant_of(self.cache_scope)
 
     @property
     def group(self) -> str:
