@@ -123,22 +123,49 @@ _X86_FEATURES = [
 ]
 
 
+# LLAMA_CUDA=1: CUDA's compute capabilities built when LLAMA_CUDA_ARCHS does not name them;
+# 90 is the H100's and H200's (one architecture keeps the CUDA build to minutes).
+DEFAULT_CUDA_ARCHS = "90"
+
+
+def llama_cuda() -> bool:
+    """LLAMA_CUDA=1 (or true/yes/on): llama.cpp is built with its CUDA backend."""
+    return os.environ.get("LLAMA_CUDA", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def llama_cmake_args() -> str:
-    """CMAKE_ARGS for building llama-cpp-python here (LLAMA_CMAKE_ARGS overrides them)."""
+    """CMAKE_ARGS for building llama-cpp-python here (LLAMA_CMAKE_ARGS overrides them): this
+    CPU's features, plus CUDA for LLAMA_CUDA_ARCHS (default 90) when LLAMA_CUDA is set."""
     if os.environ.get("LLAMA_CMAKE_ARGS"):
         return os.environ["LLAMA_CMAKE_ARGS"]
+    args = _cpu_cmake_args()
+    if llama_cuda():
+        archs = os.environ.get("LLAMA_CUDA_ARCHS", "").strip() or DEFAULT_CUDA_ARCHS
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+    return " ".join(args)
+
+
+def _cpu_cmake_args() -> list[str]:
+    """This x86 CPU's features as cmake flags; none (llama.cpp's native defaults) elsewhere."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         cpuinfo = ""
     match = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
     if os.uname().machine not in ("x86_64", "AMD64") or not match:
-        return ""  # llama.cpp's own defaults (native) elsewhere
+        return []
     flags = set(match.group(1).split())
     args = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
             "-DGGML_AMX_BF16=OFF"]
     args += [f"-D{name}={'ON' if needs <= flags else 'OFF'}" for name, needs in _X86_FEATURES]
-    return " ".join(args)
+    return args
+
+
+def llama_build_key(pin: str, cmake_args: str) -> str:
+    """The wheel cache's folder for one build: the pin, the cmake flags (a CUDA build's
+    differ from the CPU build's), Python and the machine."""
+    key = f"{pin}|{cmake_args}|{sys.version}|{os.uname().machine}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def install_llama_cpp() -> str:
@@ -148,8 +175,7 @@ def install_llama_cpp() -> str:
     pin = next(line.strip() for line in REQUIREMENTS[0].read_text().splitlines()
                if line.startswith("llama-cpp-python=="))
     cmake_args = llama_cmake_args()
-    key = hashlib.sha256(f"{pin}|{cmake_args}|{sys.version}|{os.uname().machine}".encode())
-    key_text = key.hexdigest()[:16]
+    key_text = llama_build_key(pin, cmake_args)
     stamp = ROOT / ".venv" / ".llama-cpp-build"
     if stamp.exists() and stamp.read_text().strip() == key_text:
         return key_text
@@ -158,11 +184,14 @@ def install_llama_cpp() -> str:
         say(f"Compiling llama.cpp for {pin} (about 10 minutes on 2 cores) with: "
             f"{cmake_args or 'its defaults'}")
         wheels.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "CMAKE_ARGS": cmake_args}
+        # every core (make, unlike ninja, builds one file at a time unless told)
+        env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1), **os.environ,
+               "CMAKE_ARGS": cmake_args}
         subprocess.run([PY, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps",
                         "--no-cache-dir", "-w", str(wheels), pin], cwd=ROOT, env=env, check=True)
     wheel = next(wheels.glob("llama_cpp_python-*.whl"))
-    say(f"Installing {wheel.name} (built for this CPU: {key_text})")
+    built_for = "this CPU and CUDA" if "-DGGML_CUDA=ON" in cmake_args else "this CPU"
+    say(f"Installing {wheel.name} (built for {built_for}: {key_text})")
     subprocess.run([PY, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
                     "--force-reinstall", str(wheel)], cwd=ROOT, check=True)
     stamp.write_text(key_text)
