@@ -24,6 +24,8 @@ pinned llama-cpp-python, this CPU's flags), run as ``-c 8192 -np 4 -kvu --swa-fu
 daphne, the service's defaults), on a temporary SQLite database and Redis database 14.
 Run:  .venv/bin/python bench/vs_llama_server.py [--rounds 3] [--workloads tput_c1 ...]
       [--env NAME=VALUE ...]  (settings for our stack, e.g. STREAM_INTERVAL_MS=50)
+      [--parallel N] [--ctx N] [--gpu-layers N]  (both sides: slots, context, layers on
+      the GPU; any tput_cN names a concurrency: bench/gpu_check.sh runs tput_c64)
 The last line printed is JSON: {"bench": "vs_llama_server", ...}.
 """
 
@@ -218,12 +220,15 @@ def _run_workload(side: Side, name: str, salt: str) -> dict:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, threads: int) -> None:
+    def __init__(self, binary: Path, threads: int, parallel: int = 4, ctx: int = 8192,
+                 gpu_layers: int | None = None) -> None:
         self.port = free_port()
         self.log = Path(f"/tmp/vs-llama-server-{self.port}.log")
-        self.argv = [str(binary), "-m", model_path(), "-c", "8192", "-np", "4", "-kvu",
-                     "--swa-full", "-t", str(threads), "--host", "127.0.0.1",
+        self.argv = [str(binary), "-m", model_path(), "-c", str(ctx), "-np", str(parallel),
+                     "-kvu", "--swa-full", "-t", str(threads), "--host", "127.0.0.1",
                      "--port", str(self.port), "--no-webui"]
+        if gpu_layers is not None:
+            self.argv += ["-ngl", "all" if gpu_layers < 0 else str(gpu_layers)]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Side:
@@ -262,17 +267,27 @@ def spread(values: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=WORKLOADS, type=_workload,
+                        help=f"{' '.join(WORKLOADS)}, or tput_cN for any N")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="settings for our stack (its defaults otherwise)")
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="the checkout whose daphne and daemon run (another commit's)")
+    parser.add_argument("--parallel", type=int, help="slots on both sides (default 4)")
+    parser.add_argument("--ctx", type=int, help="context on both sides (default 8192)")
+    parser.add_argument("--gpu-layers", type=int,
+                        help="layers on the GPU, both sides (-1: all; needs CUDA builds)")
     args = parser.parse_args()
     binary = build(log=lambda line: print(line, flush=True))
     overrides = dict(item.split("=", 1) for item in args.env)
-    peer = LlamaServer(binary, args.threads)
+    for name, value in (("N_PARALLEL", args.parallel), ("N_CTX", args.ctx),
+                        ("N_GPU_LAYERS", args.gpu_layers)):
+        if value is not None:
+            overrides[name] = str(value)
+    peer = LlamaServer(binary, args.threads, args.parallel or 4, args.ctx or 8192,
+                       args.gpu_layers)
     ours = Stack(args.redis_url, 4, args.threads, f"bench-{secrets.token_hex(3)}",
                  root=args.root, defaults=True, env=overrides, supervise=True)
     rows: dict[str, list[tuple[dict, dict]]] = {w: [] for w in args.workloads}
@@ -302,6 +317,13 @@ def main() -> None:
     print(json.dumps({"bench": "vs_llama_server", "machine": machine(), "rounds": args.rounds,
                       "root": str(args.root),
                       "threads": args.threads, "env": overrides, "workloads": summary}))
+
+
+def _workload(name: str) -> str:
+    if name in WORKLOADS or (name.startswith("tput_c") and name[6:].isdigit()
+                             and int(name[6:]) > 0):
+        return name
+    raise argparse.ArgumentTypeError(f"{name}: not one of {', '.join(WORKLOADS)}, tput_cN")
 
 
 def _short(result: dict) -> str:

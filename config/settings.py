@@ -352,6 +352,10 @@ SAMPLER_DEADLINE_S = env_float("SAMPLER_DEADLINE_S", 10.0)
 # it over (its tokens replayed, docs/daemon.md); off: it ends with inference_interrupted.
 CONTINUE_STREAMS = env_bool("CONTINUE_STREAMS", True)
 N_THREADS = env_int("N_THREADS", os.cpu_count() or 1)
+# (daemon) The model's layers whose weights llama.cpp puts on the GPU: 0 none (the default:
+# the CPU build has no GPU), -1 (or any number past the model's layers, e.g. 999) all. Needs a
+# CUDA build (LLAMA_CUDA=1 make setup, docs/running.md "GPU"); a CPU build ignores it.
+N_GPU_LAYERS = env_int("N_GPU_LAYERS", 0)
 KV_BLOCK_TOKENS = env_int("KV_BLOCK_TOKENS", 256)
 CACHE_PROMPT = env_bool("CACHE_PROMPT", True)
 PROMPT_CACHE_RAM_MB = env_int("PROMPT_CACHE_RAM_MB", 256)

@@ -204,6 +204,7 @@ class InferenceCore:
                 n_batch=get("N_BATCH"),
                 n_seq_max=get("N_PARALLEL") + 1,  # the slots and the prefix cache's park
                 n_threads=get("N_THREADS") or os.cpu_count() or 1,
+                n_gpu_layers=get("N_GPU_LAYERS"),
             )
         )
         config = SchedulerConfig(

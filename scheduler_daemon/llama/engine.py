@@ -49,6 +49,9 @@ class EngineConfig:
     n_seq_max: int = 4
     n_threads: int = 2
     n_ubatch: int = 512
+    # layers whose weights go to the GPU (N_GPU_LAYERS): 0 none, -1 all; a CPU build of
+    # llama.cpp has no GPU device and ignores it
+    n_gpu_layers: int = 0
 
 
 class LlamaEngine:
@@ -60,9 +63,10 @@ class LlamaEngine:
             raise EngineError(f"model file not found: {path}")
         route_llama_logs()
         lc.llama_backend_init()
-        log.info("loading model %s (%.0f MB)", path, path.stat().st_size / 2**20)
+        log.info("loading model %s (%.0f MB, n_gpu_layers=%d)", path,
+                 path.stat().st_size / 2**20, config.n_gpu_layers)
         self._model = lc.llama_model_load_from_file(
-            str(path).encode(), lc.llama_model_default_params()
+            str(path).encode(), self._model_params(config)
         )
         if not self._model:
             raise EngineError(f"llama.cpp could not load {path}")
@@ -103,6 +107,12 @@ class LlamaEngine:
             self.n_batch,
             self.n_seq_max,
         )
+
+    @staticmethod
+    def _model_params(config: EngineConfig) -> lc.llama_model_params:
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = config.n_gpu_layers  # llama.cpp's own default is -1 (all)
+        return params
 
     @staticmethod
     def _context_params(config: EngineConfig) -> lc.llama_context_params:
