@@ -24,9 +24,11 @@ has no deadline for a request's head; nginx has both, and ``auth_request``:
   (replays, refused requests) is refused by nginx before it costs daphne a thing;
 - nginx's own refusals are answered in the API's error shape, from ``wire/errors.py``.
 
-daphne then listens where only nginx reaches it (a unix socket in ``make run`` and the
-tests, the compose network in compose) and takes the client's address from nginx's
-``X-Forwarded-For`` (``--proxy-headers``), which nginx sets, never appends to.
+daphne then listens where only nginx reaches it (unix sockets in ``make run`` and the
+tests, one per web process; the compose network in compose), nginx spreading requests over
+its processes by the fewest in progress (``least_conn``: config/web_procs.py), and takes
+the client's address from nginx's ``X-Forwarded-For`` (``--proxy-headers``), which nginx
+sets, never appends to.
 
 ``python -m config.proxy --listen HOST:PORT --upstream ADDRESS`` writes the configuration
 and runs nginx in the foreground (compose's proxy service).
@@ -90,7 +92,7 @@ class ProxyConfig:
     """Where nginx listens, where daphne is, and the door's limits."""
 
     listen: str  # "127.0.0.1:8000", "0.0.0.0:8000", "[::1]:8000"
-    upstream: str  # "unix:/path/web.sock" or "host:port"
+    upstream: str  # "unix:/path/web.sock" or "host:port"; several: comma-separated
     workdir: Path  # nginx's pid, logs and temporary bodies
     max_body_bytes: int = DATA_UPLOAD_MAX_MEMORY_SIZE
     header_timeout_s: int = PROXY_HEADER_TIMEOUT_S
@@ -244,12 +246,23 @@ def _proxied(stream: bool) -> str:
     return "".join(f"        {line}\n" for line in lines)
 
 
+def upstream_servers(upstream: str) -> str:
+    """The ``server`` lines of the upstream block: ``upstream`` is one address or several,
+    comma-separated (``unix:/path`` or ``host:port``; a host name stands for every address
+    it resolves to when nginx starts)."""
+    addresses = [a.strip() for a in upstream.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("no upstream address")
+    for address in addresses:
+        if not address.startswith("unix:") and ":" not in address:
+            raise ValueError(f"upstream {address!r}: use unix:/path or host:port")
+    return "".join(f"        server {address};\n" for address in addresses)
+
+
 def render(cfg: ProxyConfig) -> str:
     """nginx.conf for ``cfg``."""
     work = cfg.workdir
-    upstream = cfg.upstream
-    if not upstream.startswith("unix:") and ":" not in upstream:
-        raise ValueError(f"upstream {upstream!r}: use unix:/path or host:port")
+    servers = upstream_servers(cfg.upstream)
     anonymous = "|".join(p.replace(".", r"\.") for p in ANONYMOUS_API)
     # Behind a proxy of the operator's (TLS there): its X-Forwarded-For names the client and
     # its X-Forwarded-Proto the scheme, believed from those addresses only.
@@ -336,9 +349,11 @@ http {{
         default $authorization_token;
     }}
 
+    # the web processes (WEB_WORKERS, config/web_procs.py; compose's replicas): each request
+    # to the one with the fewest in progress, so a burst and long-lived streams spread
     upstream web {{
-        server {upstream};
-        keepalive 64;
+        least_conn;
+{servers}        keepalive 64;
     }}
 
     server {{

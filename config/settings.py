@@ -11,7 +11,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from config import proxy
+from config import proxy, web_procs
 from config.env import (
     env_bool,
     env_choice,
@@ -257,6 +257,12 @@ WEB_READERS_PER_REQUEST = env_int("WEB_READERS_PER_REQUEST", 4)
 # replays_exceeded. A replay also counts against the tenant's requests per minute.
 REPLAYS_PER_MINUTE = env_int("REPLAYS_PER_MINUTE", 60)
 WEB_REDIS_POOL_TIMEOUT_S = env_float("WEB_REDIS_POOL_TIMEOUT_S", 5.0)
+# How many web processes (daphne) make run and compose's web container start behind one
+# port (config/web_procs.py, docs/running.md): the cores, at most 4. Read there before
+# Django; here so that a bad value fails the same way everywhere.
+WEB_WORKERS = env_int("WEB_WORKERS", web_procs.default_workers())
+if WEB_WORKERS < 1:
+    raise ImproperlyConfigured(f"WEB_WORKERS={WEB_WORKERS} must be at least 1")
 # Websockets (inference/consumers.py): authenticate within this long or the socket closes
 # (4401); open sockets' keys are checked again this often (revoked key: close 4401).
 WS_AUTH_TIMEOUT_S = env_float("WS_AUTH_TIMEOUT_S", 10.0)

@@ -32,8 +32,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from config import proxy  # noqa: E402
-from config.listen import daphne_endpoint, daphne_unix_endpoint  # noqa: E402
+from config import proxy, web_procs  # noqa: E402
 from config.models import CATALOG, DEFAULT_MODELS, GEMMA, GEMMA_FILE, SMOLLM2_PIN  # noqa: E402
 
 PY = sys.executable
@@ -646,21 +645,24 @@ def proxy_on() -> bool:
 
 
 def serve_web(host: str, port: str, door: Path) -> list[tuple[str, subprocess.Popen]]:
-    """daphne, and the door in front of it on ``host``:``port`` (daphne on a unix socket in
-    ``door``, which only this user reaches); daphne alone there when ``PROXY=off``."""
+    """WEB_WORKERS daphnes (config/web_procs.py), and the door in front of them on
+    ``host``:``port`` (each daphne on a unix socket of its own in ``door``, which only this
+    user reaches; nginx spreads requests over them); the daphnes alone on ``host``:``port``
+    when ``PROXY=off`` (one ``SO_REUSEPORT`` socket each, bound here)."""
+    workers = web_procs.web_workers()
+    names = [f"daphne {i + 1}/{workers}" if workers > 1 else "daphne" for i in range(workers)]
     if not proxy_on():
         say("PROXY=off: daphne serves clients directly, without the door's limits on bodies, "
             "slow clients and keys (docs/security.md)")
+        say(f"Starting {workers} daphne process(es) on {host}:{port}")
         # its own listen backlog: Twisted's default of 50 drops a burst's connections
-        return [start("daphne", [PY, "-m", "daphne", "-e", daphne_endpoint(host, port),
-                                 "config.asgi:application"])]
-    socket = door / "web.sock"
-    daphne = start("daphne", [PY, "-m", "daphne", "--proxy-headers",
-                              "-e", daphne_unix_endpoint(str(socket)), "config.asgi:application"])
+        return list(zip(names, web_procs.start_web(workers, host=host, port=port), strict=True))
+    say(f"Starting {workers} daphne process(es) on unix sockets in {door}")
+    daphnes = list(zip(names, web_procs.start_web(workers, door=door), strict=True))
     listen = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
-    cfg = proxy.ProxyConfig.from_env(listen, f"unix:{socket}", door)
+    cfg = proxy.ProxyConfig.from_env(listen, web_procs.door_upstream(door, workers), door)
     proxy.write(cfg)
-    return [daphne, start("the door (nginx)", proxy.nginx_argv(cfg))]
+    return [*daphnes, start("the door (nginx)", proxy.nginx_argv(cfg))]
 
 
 def cmd_test(args: argparse.Namespace) -> int:

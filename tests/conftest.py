@@ -46,6 +46,7 @@ LIVE_FIXTURES = {
     "tests.test_fleet_e2e": {"fleet"},
     "tests.test_stream_shares": {"shares_web", "cap_web"},
     "tests.test_vocabulary_limits_e2e": {"web", "daemon"},
+    "tests.test_web_workers": {"web", "make_run"},
     "tests.chaos.test_deadlines": {"daemon"},
     "tests.chaos.test_redis_restart": {"stack"},
     "tests.chaos.test_resume_grace": {"web", "daemon"},

@@ -38,8 +38,7 @@ from urllib.parse import quote, urlencode
 import redis
 from django.conf import settings
 
-from config import proxy
-from config.listen import daphne_unix_endpoint
+from config import proxy, web_procs
 from config.models import CATALOG, SMOLLM2, SMOLLM2_PIN
 from wire import protocol, queue
 
@@ -157,9 +156,11 @@ def patient_web() -> Iterator[WebServer]:
 
 class WebServer:
     """daphne serving config.asgi on 127.0.0.1 with its own database. ``redis_url``: another
-    Redis than the tests' (a test that restarts its own)."""
+    Redis than the tests' (a test that restarts its own). ``workers``: that many daphnes
+    behind the door (``WEB_WORKERS``, config/web_procs.py: a unix socket and a log each,
+    ``daphne-<i>.log``); ``proc`` is the first, ``procs`` all of them."""
 
-    def __init__(self, redis_url: str | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, workers: int = 1) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="web-test-"))
         self.database = OwnDatabase(self.tmp, "web")
         self.env = {
@@ -177,9 +178,13 @@ class WebServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws/v1/stream"
-        self.socket = self.tmp / "web.sock"  # daphne's; only the door connects to it
+        self.workers = workers
+        # daphne's (one per process); only the door connects to them
+        self.sockets = web_procs.unix_sockets(self.tmp, workers)
+        self.socket = self.sockets[0]
         self.keys: dict[str, Any] = {}
         self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
         self.door: subprocess.Popen | None = None
 
     def start(self) -> WebServer:
@@ -188,33 +193,48 @@ class WebServer:
         made = subprocess.run([*manage, "shell", "-c", MAKE_KEYS], cwd=ROOT, env=self.env,
                               check=True, capture_output=True, text=True)
         self.keys = json.loads(made.stdout.strip().splitlines()[-1])
-        log = (self.tmp / "daphne.log").open("ab")
-        self.proc = subprocess.Popen(self.daphne_argv(), cwd=ROOT, env=self.env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+        argvs = ([self.daphne_argv()] if self.workers == 1
+                 else web_procs.plan_behind_door(self.tmp, self.workers).argvs)
+        for path, argv in zip(self.logs, argvs, strict=True):
+            log = path.open("ab")
+            self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        self.proc = self.procs[0]
+        log = self.logs[0].open("ab")
         self.door = subprocess.Popen(self.door_argv(), cwd=ROOT, env=self.env, stdout=log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
+                if not all(path.exists() for path in self.sockets):
+                    raise OSError("not every daphne listens yet")
                 with urllib.request.urlopen(f"{self.base_url}/v1/health", timeout=2):
                     return self
             except OSError:
-                if (self.proc.poll() is not None or self.door.poll() is not None
-                        or time.monotonic() > deadline):
+                if (any(p.poll() is not None for p in self.procs)
+                        or self.door.poll() is not None or time.monotonic() > deadline):
                     tail = self.log_tail()
                     self.stop()  # no daphne or nginx left behind
                     raise RuntimeError(f"daphne did not start:\n{tail}") from None
                 time.sleep(0.2)
 
     def daphne_argv(self) -> list[str]:
-        """daphne on this server's unix socket, behind the door, as ``make run`` starts it."""
-        return [sys.executable, "-m", "daphne", "--proxy-headers",
-                "-e", daphne_unix_endpoint(str(self.socket)), "config.asgi:application"]
+        """daphne on this server's (first) unix socket, behind the door, as ``make run``
+        starts it."""
+        return web_procs.plan_behind_door(self.tmp, 1).argvs[0]
+
+    @property
+    def logs(self) -> list[Path]:
+        """Each daphne's log (the door's output goes to the first)."""
+        if self.workers == 1:
+            return [self.tmp / "daphne.log"]
+        return [self.tmp / f"daphne-{i}.log" for i in range(self.workers)]
 
     @property
     def door_config(self) -> proxy.ProxyConfig:
         """The door's configuration: ``make run``'s, from this server's environment."""
-        return proxy.ProxyConfig.from_env(f"127.0.0.1:{self.port}", f"unix:{self.socket}",
+        return proxy.ProxyConfig.from_env(f"127.0.0.1:{self.port}",
+                                          web_procs.door_upstream(self.tmp, self.workers),
                                           self.tmp / "door", self.env)
 
     def door_argv(self) -> list[str]:
@@ -225,7 +245,8 @@ class WebServer:
 
     def stop(self) -> None:
         """Stop the door and daphne and remove their files (database, logs)."""
-        for proc in (self.door, self.proc):
+        # (a subclass may have started another daphne as ``proc``: tests/chaos)
+        for proc in (self.door, self.proc, *self.procs):
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 try:
@@ -238,7 +259,7 @@ class WebServer:
 
     def log_tail(self, lines: int = 40) -> str:
         text = ""
-        for path in (self.tmp / "daphne.log", self.door_config.error_log):
+        for path in (*self.logs, self.door_config.error_log):
             if path.exists():
                 text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
         return text
@@ -255,6 +276,34 @@ class WebServer:
         data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
         conn.request(method, path, body=data, headers=all_headers)
         return Reply(conn, conn.getresponse())
+
+    def request_to(self, worker: int, method: str, path: str, body: Any = None,
+                   key: str | None = None, headers: dict[str, str] | None = None,
+                   timeout: float = 60) -> Reply:
+        """``request`` sent to daphne number ``worker`` on its own socket, past the door
+        (with the headers the door sets), so that a test chooses the process."""
+        conn = _UnixConnection(str(self.sockets[worker]), timeout=timeout)
+        all_headers = {"Content-Type": "application/json", "Host": f"127.0.0.1:{self.port}",
+                       "X-Forwarded-For": "127.0.0.1", "X-Forwarded-Proto": "http",
+                       **(headers or {})}
+        if key:
+            all_headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=all_headers)
+        return Reply(conn, conn.getresponse())
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (a daphne's, behind the door)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
 
 
 @dataclass

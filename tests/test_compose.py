@@ -1,14 +1,17 @@
 """docker-compose.yml stays in step with the code (Docker itself cannot run here)."""
 
 import ast
+import inspect
 import re
 import shlex
+import socket
 from pathlib import Path
 
 import pytest
 import yaml
 
-from config.listen import daphne_endpoint
+from config import proxy, web_procs
+from config.listen import LISTEN_BACKLOG
 from config.models import CATALOG, GEMMA, SMOLLM2, SMOLLM2_PIN
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -67,10 +70,24 @@ def proxy_env_names() -> set[str]:
     return names
 
 
+def web_argvs(services: dict[str, dict]) -> list[list[str]]:
+    """The daphnes compose's web command starts (config/web_procs.py's plan for it, on a
+    free port here, with WEB_WORKERS=2)."""
+    args = services["web"]["command"]
+    assert args[:3] == ["python", "-m", "config.web_procs"]
+    host, port = args[args.index("--listen") + 1].rsplit(":", 1)
+    assert port == "8000"
+    plan = web_procs.plan_tcp("127.0.0.1", 0, 2, proxy_headers="--proxy-headers" in args)
+    try:
+        return plan.argvs
+    finally:
+        plan.close()
+
+
 def test_web_runs_daphne_on_the_asgi_app(services):
-    cmd = command(services["web"])
-    assert "daphne" in cmd
-    assert "config.asgi:application" in cmd
+    for argv in web_argvs(services):
+        assert argv[1:3] == ["-m", "daphne"]
+        assert argv[-1] == "config.asgi:application"
 
 
 def test_only_the_door_is_published(services):
@@ -91,10 +108,48 @@ def test_only_the_door_is_published(services):
 
 
 def test_web_listens_with_the_backlog_make_run_uses(services):
-    """Twisted's default backlog (50) drops a burst's connections; compose's daphne listens
-    as make run's does (config/listen.py)."""
-    args = services["web"]["command"]
-    assert args[args.index("-e") + 1] == daphne_endpoint("0.0.0.0", 8000)
+    """Twisted's default backlog (50) drops a burst's connections; compose's daphnes adopt
+    sockets bound with config/listen.py's, as make run's (PROXY=off) do."""
+    assert inspect.signature(web_procs.reuseport_sockets).parameters["backlog"].default == \
+        LISTEN_BACKLOG
+    plan = web_procs.plan_tcp("127.0.0.1", 0, 2)
+    try:
+        for sock in plan.sockets:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        assert len({s.getsockname() for s in plan.sockets}) == 1  # one port
+        assert [argv[argv.index("-e") + 1] for argv in plan.argvs] == [
+            f"fd:fileno={s.fileno()}" for s in plan.sockets]
+    finally:
+        plan.close()
+
+
+def test_the_web_scales_with_WEB_WORKERS_behind_the_proxy(services):
+    """WEB_WORKERS daphnes in each web container (settings.py reads it, default: the
+    cores, at most 4), every one on port 8000 with the proxy's headers; no fixed name or
+    published port, so ``--scale web=N`` runs more containers behind the proxy, which
+    spreads requests over them (least_conn) with SSE's and websockets' settings."""
+    web = services["web"]
+    assert "WEB_WORKERS" in environment(web) and "WEB_WORKERS" in settings_env_names()
+    assert environment(web)["WEB_WORKERS"] == "${WEB_WORKERS:-}"  # unset: the default
+    assert len(web_argvs(services)) == 2
+    assert all("--proxy-headers" in argv for argv in web_argvs(services))
+    assert "container_name" not in web and "ports" not in web
+    conf = proxy.render(proxy.ProxyConfig.from_env("0.0.0.0:8080", "web:8000", Path("/tmp/x"),
+                                                  {}))
+    upstream = conf[conf.index("upstream web {"):]
+    upstream = upstream[:upstream.index("}")]
+    assert "least_conn;" in upstream and "server web:8000;" in upstream
+    for location in ("location /v1/ {", "location /ws/ {"):
+        block = conf[conf.index(location):]
+        block = block[:block.index("}")]
+        assert "proxy_buffering off;" in block
+        assert f"proxy_read_timeout {proxy.STREAM_READ_TIMEOUT_S}s;" in block
+        assert "proxy_http_version 1.1;" in block
+    assert "proxy_set_header Upgrade $http_upgrade;" in conf
+    assert "proxy_set_header Connection $connection_upgrade;" in conf
+    # the daphnes' own grace fits in Docker's before its SIGKILL
+    grace = web["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > web_procs.STOP_GRACE_S
 
 
 def test_scheduler_runs_the_daemon_command(services):
