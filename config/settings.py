@@ -395,6 +395,13 @@ EMBEDDINGS = env_bool("EMBEDDINGS", True)
 # yet embedded); a job past it is refused 429 tenant_queue_full (docs/api.md).
 EMBEDDINGS_TENANT_TOKENS = env_int("EMBEDDINGS_TENANT_TOKENS", 65_536)
 
+# (daemon, benchmarks only) ENGINE_STANDIN names a stand-in for llama.cpp ("module:factory",
+# e.g. tests.standin_engine:make_engine): no model is loaded and every decode call returns
+# when the next of ENGINE_STANDIN_RATE ticks a second is due (bench/web_capacity.py). Empty,
+# the default: the real engine.
+ENGINE_STANDIN = env_str("ENGINE_STANDIN", "")
+ENGINE_STANDIN_RATE = env_float("ENGINE_STANDIN_RATE", 20.0)
+
 # (daemon) Its telemetry (JSON lines on stderr, docs/observability.md) has at most one
 # `tick` line per this many seconds; 0: every tick.
 TELEMETRY_TICK_S = env_float("TELEMETRY_TICK_S", 1.0)

@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from scheduler_daemon.core.state import FinishedEvent, RequestStats, TokenEvent
+from scheduler_daemon.service import event_writer
 from scheduler_daemon.service.context import DaemonContext
 from scheduler_daemon.service.event_writer import EventWriter, next_slot
 from tests.live_service import redis_conn
@@ -134,10 +135,91 @@ def test_flush_slots_keep_to_the_interval_s_grid():
     gaps = [b - a for a, b in zip(flushes, flushes[1:], strict=False)]
     assert abs(sum(gaps) / len(gaps) - interval) < 0.002  # the client's mean gap
     assert max(gaps) <= interval + tick  # never a whole tick more than the interval
-    # idle for longer than an interval (or an early, urgent flush): a fresh grid
+    # idle for longer than an interval: a fresh grid; a flush a little early or late
+    # keeps it
     assert next_slot(1.0, 2.0, interval) == 2.0 + interval
-    assert next_slot(1.0, 0.99, interval) == 0.99 + interval
+    assert next_slot(1.0, 0.99, interval) == 1.0 + interval
     assert next_slot(1.0, 1.01, interval) == 1.0 + interval
+
+
+def flush_times(tick_ends: list[float], interval: float, early: float) -> list[float]:
+    """When the writer flushes a stream's tokens: at the first tick end no more than
+    ``early`` before its slot (a fresh grid at the first token, as after an idle spell)."""
+    due, flushes = tick_ends[0], []
+    for now in tick_ends:
+        if now >= due - early:
+            due = next_slot(due, now, interval)
+            flushes.append(now)
+    return flushes
+
+
+def test_ticks_as_long_as_the_interval_never_double_a_gap():
+    """A stream at 20 tokens/s with a 50 ms interval: every tick ends on the grid's own
+    phase, so a tick a hair early (jitter) used to wait a whole tick, and the client saw a
+    100 ms gap; a tick that ends a little before its slot now flushes it."""
+    interval, jitter = 0.050, 0.002
+    wobble = [((i * 7919) % 11 - 5) / 5 * jitter for i in range(400)]  # -2..+2 ms
+    ticks = [i * interval + w for i, w in enumerate(wobble)]
+    flushes = flush_times(ticks, interval, interval * event_writer.SLOT_EARLY)
+    gaps = [b - a for a, b in zip(flushes, flushes[1:], strict=False)]
+    assert len(flushes) == len(ticks)  # every tick's token in its own chunk
+    assert max(gaps) <= interval + 2 * jitter + 1e-9
+    # the old rule (a flush only at or past its slot) doubles gaps on these very ticks
+    old = flush_times(ticks, interval, 0.0)
+    assert max(b - a for a, b in zip(old, old[1:], strict=False)) > 1.5 * interval
+
+
+def test_an_early_flush_writes_the_urgent_requests_alone():
+    """A request's first text (or accepted, or end) goes at once, but it takes along only
+    that request's events: the other streams' tokens wait for their slot, in order."""
+    real = redis_conn()
+    writer = EventWriter(DaemonContext(real, f"m-{uuid.uuid4().hex[:6]}", "d"),
+                         stream_interval_s=1.0)
+    a, b = uuid.uuid4().hex, uuid.uuid4().hex
+    streams = [protocol.events_stream(a), protocol.events_stream(b)]
+    try:
+        writer.on_event(TokenEvent(a, "a1", 1, (1,)))  # a's first text: at once
+        writer.flush()
+        writer.on_event(TokenEvent(a, "a2", 1, (2,)))  # a's later token: its slot
+        assert writer._flush_wait_s() > 0.5
+        writer.on_event(TokenEvent(b, "b1", 1, (3,)))  # b's first text: at once, alone
+        assert writer._flush_wait_s() == 0.0
+        writer.flush()
+        assert real.xlen(streams[0]) == 1 and real.xlen(streams[1]) == 1
+        writer.on_event(TokenEvent(a, "a3", 1, (4,)))
+        writer._next_due = time.monotonic()  # a's slot comes
+        writer.flush()
+        texts = [protocol.decode_event(f)[1]["text"] for _, f in real.xrange(streams[0])]
+        assert texts == ["a1", "a2a3"]
+    finally:
+        real.delete(*streams)
+
+
+def test_a_stream_ttl_is_renewed_by_its_start_its_end_and_seldom_between():
+    real = redis_conn()
+    writer = writer_on(real)
+    request_id = uuid.uuid4().hex
+    stream = protocol.events_stream(request_id)
+    writer.track(request_id, "t", retention_s=600)
+    try:
+        writer.on_event(TokenEvent(request_id, "a", 1, (1,)))
+        writer.flush()
+        assert 590 < real.ttl(stream) <= 600
+        real.expire(stream, 5000)
+        writer.on_event(TokenEvent(request_id, "b", 1, (2,)))
+        writer.flush()
+        assert real.ttl(stream) > 4000  # a token's write alone: no EXPIRE
+        writer.expire_renew_s = 0.0  # renewal due
+        writer.on_event(TokenEvent(request_id, "c", 1, (3,)))
+        writer.flush()
+        assert 590 < real.ttl(stream) <= 600
+        writer.expire_renew_s = 3600.0
+        real.expire(stream, 5000)
+        writer.on_event(finished(request_id))
+        writer.flush()
+        assert 590 < real.ttl(stream) <= 600  # the end: retention after the last event
+    finally:
+        real.delete(stream)
 
 
 def test_the_writer_flushes_streamed_tokens_on_the_grid():
@@ -147,8 +229,9 @@ def test_the_writer_flushes_streamed_tokens_on_the_grid():
     assert writer._flush_wait_s() == 0.0
     with writer._cond:  # as flush() does, without Redis
         writer._buffer.items.clear()
-        writer._buffer.urgent = False
+        writer._buffer.urgent.clear()
     slot = time.monotonic() - 0.3  # the previous slot was 0.3 s ago, its flush just now
     writer._next_due = next_slot(slot, time.monotonic(), 1.0)
     writer.on_event(TokenEvent(request_id, "b", 1, (2,)))
-    assert 0.5 < writer._flush_wait_s() <= 0.7  # due a second after the slot, not the flush
+    # due a second after the slot (less the early share), not a second after the flush
+    assert 0.25 < writer._flush_wait_s() <= 0.7 - event_writer.SLOT_EARLY

@@ -197,16 +197,20 @@ class InferenceCore:
         def get(name: str) -> Any:
             return overrides.get(name.lower(), getattr(settings, name))
 
-        engine = LlamaEngine(
-            EngineConfig(
-                model_path=str(get("MODEL_PATH")),
-                n_ctx=get("N_CTX"),
-                n_batch=get("N_BATCH"),
-                n_seq_max=get("N_PARALLEL") + 1,  # the slots and the prefix cache's park
-                n_threads=get("N_THREADS") or os.cpu_count() or 1,
-                n_gpu_layers=get("N_GPU_LAYERS"),
+        if get("ENGINE_STANDIN"):  # a benchmark's stand-in for llama.cpp (never the default)
+            engine = _standin_engine(get("ENGINE_STANDIN"), get("N_CTX"), get("N_BATCH"),
+                                     get("N_PARALLEL") + 1, get("ENGINE_STANDIN_RATE"))
+        else:
+            engine = LlamaEngine(
+                EngineConfig(
+                    model_path=str(get("MODEL_PATH")),
+                    n_ctx=get("N_CTX"),
+                    n_batch=get("N_BATCH"),
+                    n_seq_max=get("N_PARALLEL") + 1,  # the slots and the prefix cache's park
+                    n_threads=get("N_THREADS") or os.cpu_count() or 1,
+                    n_gpu_layers=get("N_GPU_LAYERS"),
+                )
             )
-        )
         config = SchedulerConfig(
             chunk_size=get("CHUNK_SIZE"),
             max_queue=get("MAX_QUEUE"),
@@ -745,6 +749,17 @@ class InferenceCore:
             handle._events.put(event)
         for listener in self.listeners:
             listener(event)
+
+
+def _standin_engine(target: str, n_ctx: int, n_batch: int, n_seq_max: int,
+                    rate: float) -> Any:
+    """The engine ``ENGINE_STANDIN`` names ("module:factory"; a benchmark's, never the
+    default), called with the context's sizes and ``ENGINE_STANDIN_RATE``."""
+    import importlib
+
+    module, _, factory = target.partition(":")
+    log.warning("ENGINE_STANDIN=%s: a stand-in engine at %.1f ticks/s, no model", target, rate)
+    return getattr(importlib.import_module(module), factory)(n_ctx, n_batch, n_seq_max, rate)
 
 
 def _check_choices(n: Any, prompt: Any, messages: Any, prompts: Any,

@@ -34,6 +34,12 @@ from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
+# A tick that ends less than this share of the interval before its slot flushes the slot:
+# with ticks as long as the interval (a stream at 20 tokens/s, 50 ms), a tick end a hair
+# before the slot would otherwise wait a whole tick and the client see a 100 ms gap.
+SLOT_EARLY = 0.25
+EXPIRE_RENEW_S = 60.0  # a live stream's TTL (its retention, 10 min or more) renewed this often
+
 
 @dataclass(slots=True)
 class Outgoing:
@@ -54,7 +60,10 @@ class _Buffer:
 
     items: list[Outgoing] = field(default_factory=list)
     held: dict[str, list[Outgoing]] = field(default_factory=dict)
-    urgent: bool = False  # holds an event that must not wait for the stream interval
+    # requests with an event that must not wait for the stream interval: an early flush
+    # writes theirs alone (every event of theirs, in order); the rest wait for their slot
+    urgent: set[str] = field(default_factory=set)
+    everything: bool = False  # a failed write's events: all go at the next flush
 
 
 class EventWriter:
@@ -83,6 +92,13 @@ class EventWriter:
         self._buffer = _Buffer()
         self._cond = threading.Condition()
         self._next_due = 0.0  # the next slot of the stream interval's grid (monotonic)
+        # a tick that ends this little before the slot flushes it (tokens come at tick
+        # ends: waiting for the next one would double the gap when ticks last the interval)
+        self._early_s = stream_interval_s * SLOT_EARLY
+        # a stream's TTL is renewed by its accepted, its end and at most once per this long
+        # between (a token's write alone renews nothing): it never expires while it is live
+        self.expire_renew_s = EXPIRE_RENEW_S
+        self._expired_at: dict[str, float] = {}  # request id -> its stream's last EXPIRE
         self._streaming: set[str] = set()  # requests whose first text has been buffered
         self._entries: dict[str, str] = {}  # accepted request id -> its jobs-stream entry id
         self._tenants: dict[str, str] = {}  # request id -> tenant id (usage, request log)
@@ -146,7 +162,7 @@ class EventWriter:
                 self._entries[request_id] = entry_id
             self._buffer.items.append(Outgoing(request_id, protocol.ACCEPTED, data))
             self._buffer.items.extend(held)
-            self._buffer.urgent = True
+            self._buffer.urgent.add(request_id)
             self._cond.notify()
 
     def terminal(self, request_id: str, entry_id: str, kind: str, data: dict[str, Any]) -> None:
@@ -156,7 +172,7 @@ class EventWriter:
             self._entries.pop(request_id, None)  # acknowledged with this end
             self._streaming.discard(request_id)
             self._buffer.items.append(Outgoing(request_id, kind, data, entry_id))
-            self._buffer.urgent = True
+            self._buffer.urgent.add(request_id)
             self._cond.notify()
 
     # -- from the core (scheduler thread, its lock held) --------------------------------------
@@ -185,11 +201,11 @@ class EventWriter:
             if item.kind == protocol.TOKEN and event.request_id not in self._streaming:
                 if item.data["text"]:  # the first text (TTFT) does not wait
                     self._streaming.add(event.request_id)
-                    self._buffer.urgent = True
+                    self._buffer.urgent.add(event.request_id)
             if item.kind in protocol.TERMINAL:
                 self._streaming.discard(event.request_id)
                 item.entry_id = self._entries.pop(event.request_id, None)
-                self._buffer.urgent = True
+                self._buffer.urgent.add(event.request_id)
             self._buffer.items.append(item)
             if item.kind in protocol.TERMINAL:
                 self._cond.notify()
@@ -209,6 +225,7 @@ class EventWriter:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        self._expired_at.pop(request_id, None)
         self._sessions.pop(request_id, None)
         self._tenants.pop(request_id, None)
         self._retention.pop(request_id, None)
@@ -248,18 +265,26 @@ class EventWriter:
         Called with the condition held."""
         if not self._buffer.items:
             return None
-        if self._buffer.urgent:
+        if self._buffer.urgent or self._buffer.everything:
             return 0.0
-        return max(0.0, self._next_due - time.monotonic())
+        return max(0.0, self._next_due - self._early_s - time.monotonic())
 
     def flush(self) -> None:
         """Write everything buffered in one round trip (see the module docstring)."""
         with self._cond:
-            items, self._buffer.items = self._buffer.items, []
-            self._buffer.urgent = False
-            if items:
-                self._next_due = next_slot(self._next_due, time.monotonic(),
-                                           self.stream_interval_s)
+            buffer = self._buffer
+            now_m = time.monotonic()
+            if buffer.everything or now_m >= self._next_due - self._early_s:  # the slot
+                items, buffer.items = buffer.items, []
+                if items:
+                    self._next_due = next_slot(self._next_due, now_m, self.stream_interval_s)
+            else:  # early: the urgent requests' events alone
+                items, rest = [], []
+                for item in buffer.items:
+                    (items if item.request_id in buffer.urgent else rest).append(item)
+                buffer.items = rest
+            buffer.urgent = set()
+            buffer.everything = False
         if not items:
             return
         items = coalesce(items)
@@ -282,11 +307,18 @@ class EventWriter:
         for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
             limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)
         expiring: dict[str, int] = {}  # stream -> retention, once per stream per flush
+        now_m = time.monotonic()
         for item in items:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
-            expiring[stream] = self._retention.get(item.request_id, protocol.STREAM_RETENTION_S)
+            retention_s = self._retention.get(item.request_id, protocol.STREAM_RETENTION_S)
+            renewed = self._expired_at.get(item.request_id)
+            if (item.kind != protocol.TOKEN or renewed is None
+                    or now_m - renewed >= min(self.expire_renew_s, retention_s / 4)):
+                expiring[stream] = retention_s
+                self._expired_at[item.request_id] = now_m
             if item.kind in protocol.TERMINAL:
+                self._expired_at.pop(item.request_id, None)
                 pipe.hdel(self.running_key, item.request_id)
                 pipe.delete(protocol.owner_key(item.request_id))
                 session_id = self._sessions.get(item.request_id)
@@ -306,7 +338,9 @@ class EventWriter:
         except redis.RedisError:
             with self._cond:
                 self._buffer.items[:0] = items
-                self._buffer.urgent = True
+                self._buffer.everything = True
+            for item in items:  # their streams' TTLs were not renewed either
+                self._expired_at.pop(item.request_id, None)
             raise
         for item in items:
             if item.kind == protocol.ACCEPTED:
@@ -366,12 +400,12 @@ def finished_payload(event: FinishedEvent) -> tuple[str, dict[str, Any]]:
 def next_slot(due: float, now: float, interval_s: float) -> float:
     """The flush slot after one made at ``now`` for the slot ``due``: one interval after
     the slot, not after the flush. Tokens come at tick ends, so a flush waits for the
-    first tick end past its slot, on average half a tick; timed from the flush, every gap
-    carried that lateness (a client at 50 ms with 34 ms ticks got a chunk every ~62 ms).
-    On the slots' grid the lateness is made up by the next gap: the client's gaps
-    average the interval. A flush a whole interval late (idle, or an urgent flush
-    between slots) starts the grid afresh."""
-    if now - due >= interval_s or due > now:
+    first tick end past its slot (or at most ``SLOT_EARLY`` of an interval before it), on
+    average half a tick late; timed from the flush, every gap carried that lateness (a
+    client at 50 ms with 34 ms ticks got a chunk every ~62 ms). On the slots' grid the
+    lateness is made up by the next gap: the client's gaps average the interval. A flush a
+    whole interval late (idle) starts the grid afresh."""
+    if now - due >= interval_s:
         return now + interval_s
     return due + interval_s
 
