@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 # A prefilling request waits a tick rather than compute this many prompt tokens that
 # another slot of its scope is computing in the same batch (it adopts them next tick).
 SHARED_PREFILL_MIN_TOKENS = 16
+ARRIVAL_POLL_S = 0.002  # a tick waiting for a burst's arrivals looks again this often
 
 
 class Engine(CacheEngine, Protocol):
@@ -119,6 +120,11 @@ class SchedulerConfig:
     # since it got the slot, and resumes later where it was.
     preemption: bool = True
     preempt_min_tokens: int = 16
+    # A burst's first tick: while requests are on their way into the queue (``arrivals``,
+    # the daemon's intake: jobs taken from Redis and not yet queued here) and free slots
+    # would stay empty without them, the tick waits for them, at most this long, so a burst
+    # is prefilled in one batch (one llama_decode) rather than its first request alone.
+    arrival_wait_s: float = 0.05
 
 
 class Scheduler:
@@ -159,6 +165,9 @@ class Scheduler:
         self.sampling: str | None = None
         self.on_sampling: Callable[[bool], None] | None = None  # the loop clock's mark
         self.tick_rows: list[str] = []  # requests in the batch of the tick under way
+        # requests on their way into the queue (the daemon's intake sets it: jobs taken and
+        # not yet submitted); a tick that would leave free slots empty waits for them
+        self.arrivals: Callable[[], int] | None = None
         self.last_plan: TickPlan | None = None  # the latest plan made (for tests and logs)
         budget = config.kv_budget_tokens or engine.n_ctx
         self._total_blocks = budget // config.kv_block_tokens
@@ -457,9 +466,41 @@ class Scheduler:
     # -- the loop thread ----------------------------------------------------------
 
     def step(self) -> TickStats | None:
-        """One tick: plan (cancels, admission, the batch), decode, commit. None when
-        nothing was decoded (no rows, an aborted or failed decode)."""
+        """One tick: wait for a burst's arrivals, plan (cancels, admission, the batch),
+        decode, commit. None when nothing was decoded (no rows, an aborted or failed
+        decode)."""
+        self.await_arrivals()
         return self.run(self.schedule())
+
+    def await_arrivals(self) -> float:
+        """Before a tick is planned (loop thread, outside the lock): while ``arrivals``
+        says requests are on their way and the slots left free by the queue would take
+        them, wait for them to be submitted, at most ``arrival_wait_s``; returns the
+        seconds waited. A burst taken together is then admitted and prefilled together,
+        as llama-server's first batch holds every slot its requests reached; one that
+        arrives alone waits for nothing."""
+        if self.arrivals is None or self.config.arrival_wait_s <= 0:
+            return 0.0
+        start = self._clock()
+        deadline = start + self.config.arrival_wait_s
+        while self.arrivals() > 0 and self._room_for_arrivals():
+            left = deadline - self._clock()
+            if left <= 0:
+                self.counters["arrival_wait_timeouts"] += 1
+                break
+            self._work.wait(min(left, ARRIVAL_POLL_S))  # a submit sets it
+            self._work.clear()
+        waited = self._clock() - start
+        if waited > ARRIVAL_POLL_S / 2:
+            self.counters["arrival_waits"] += 1
+        return waited
+
+    def _room_for_arrivals(self) -> bool:
+        """Whether a free slot would be left empty by what is queued (waiting or
+        preempted) now."""
+        with self.lock:
+            free = sum(s.state is SlotState.IDLE for s in self._slots)
+            return free > len(self._waiting) + len(self._preempted)
 
     def schedule(self) -> TickPlan:
         """Apply the cancels, admit what fits, and plan the batch within ``N_BATCH``. The

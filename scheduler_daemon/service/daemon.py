@@ -93,6 +93,7 @@ class SchedulerDaemon:
         self.control.on_evict_scope = self.intake.forget_tenant
         self.watch = Watch(ctx, core.cancel, self.writer.is_live)
         self.intake.started.append(self.watch.started)
+        self.intake.feed(core.scheduler)  # a burst's first tick waits for the burst's jobs
         config = core.scheduler.config
         self.queue_allowance = queue_allowance or (
             config.max_queue,

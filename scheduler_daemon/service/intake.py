@@ -153,6 +153,8 @@ class Intake:
         self._take_owner = client.register_script(ownership.TAKE)
         self._outage = Backoff("reading jobs", log)  # the reader thread's
         self._starting = 0  # 1 while the preparer starts a job (held, in neither count)
+        self._submitting = False  # the preparer's job is not yet queued in the core
+        self._looking = False  # the reader took jobs and is taking again (a burst's rest)
         self._taken: list[float] = []  # when jobs were taken (monotonic), DRAIN_WINDOW_S
         self._taken_lock = threading.Lock()
         self._bell = "0-0"  # the queue's bell entry seen last (wait for one after it)
@@ -174,6 +176,7 @@ class Intake:
         self.vocab_tenant_jobs = VOCAB_TENANT_JOBS
         self.vocab_jobs = VOCAB_JOBS
         self._vocabulary_s = 0.1  # seconds per answer, measured (Retry-After)
+        self._wake: Callable[[], None] = lambda: None  # the core's loop (``feed``)
 
     def held(self) -> int:
         """Generation jobs this daemon holds: taken and not started, being started, or not
@@ -183,6 +186,19 @@ class Intake:
         return (len(self.prepare) - self.prepare.apart + self._starting
                 + self.writer.live_count() - self.embeddings_live()
                 - len(self.vocabulary_live()))
+
+    def feed(self, scheduler: Any) -> None:
+        """Let ``scheduler``'s ticks wait for the jobs on their way here (``arriving``), so
+        that a burst's first tick holds the whole burst; it is woken when none is left."""
+        scheduler.arrivals = self.arriving
+        self._wake = scheduler.wake
+
+    def arriving(self) -> int:
+        """Generation jobs on their way into the core: read and not yet queued there (the
+        prepare queue, the job being started), and one more while the reader, having just
+        taken jobs, takes again (the rest of a burst may be behind them). The core's tick
+        waits for them while slots would stay free (``Scheduler.await_arrivals``)."""
+        return (len(self.prepare) - self.prepare.apart + self._submitting + self._looking)
 
     def embeddings_live(self) -> int:
         """Embeddings jobs started here whose end the writer has not yet written."""
@@ -229,15 +245,18 @@ class Intake:
             if state is State.PAUSING:
                 self.lifecycle.move(State.PAUSED)  # no read is under way any more
             if state is not State.SERVING:
+                self._look_again(False)
                 self.lifecycle.wait_for({State.SERVING, State.DRAINING}, timeout=0.5)
                 continue
             room = self.room()
             if room <= 0:  # the rest waits in Redis, where another daemon may take it
+                self._look_again(False)
                 if time.monotonic() - self._last_alive >= ALIVE_EVERY_S:
                     self._read(0)
                 time.sleep(FULL_POLL_S)
                 continue
             entries = self._read(min(INTAKE_BATCH, room))
+            self._look_again(bool(entries))  # jobs taken: the next take looks for more
             if not entries:
                 self._wait_for_work()
                 continue
@@ -248,6 +267,14 @@ class Intake:
                     self._take(as_text(entry_id), fields)
                 except Exception:  # never let one entry stop the intake
                     log.exception("could not take job entry %s", entry_id)
+
+    def _look_again(self, looking: bool) -> None:
+        """Whether the reader takes again right after taking jobs (``arriving`` counts it);
+        when it stops, the core's tick waits for it no more."""
+        if self._looking and not looking:
+            self._looking = False
+            self._wake()
+        self._looking = looking
 
     def _read(self, count: int) -> list[tuple[Any, Any]]:
         """Up to ``count`` jobs from the model's fair queue (0: none, only shows this daemon's
@@ -318,10 +345,12 @@ class Intake:
             if item is None:
                 continue
             self._starting = 1  # held, though in neither the prepare queue nor the writer
+            self._submitting = not _bounded_apart(item[1])
             try:
                 self.start_job_safely(*item)
             finally:
                 self._starting = 0
+                self._submitting = False
         self.join_vocabulary(VOCABULARY_DRAIN_S)  # its answers go out before the writer ends
 
     def start_job_safely(self, entry_id: str, job: protocol.Job,
@@ -420,6 +449,7 @@ class Intake:
                 # its timings (duration, ttft) count from its first queueing, not the takeover
                 since=job.enqueued_at if continuation and _is_time(job.enqueued_at) else None,
             )
+            self._submitting = False  # queued: the core's wait for it is over
         except Refusal as refusal:
             self.writer.release(job.id)
             self.refuse(job.id, entry_id, refusal)
