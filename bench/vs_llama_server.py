@@ -22,8 +22,12 @@ llama-server: built once by bench/llama_server_build.py (the llama.cpp vendored 
 pinned llama-cpp-python, this CPU's flags), run as ``-c 8192 -np 4 -kvu --swa-full -t
 <threads>``. Ours: started as ``make run`` starts it (``run_scheduler --supervise`` and
 daphne, the service's defaults), on a temporary SQLite database and Redis database 14.
+``--baseline ROOT``: a third side, "before", our stack from another checkout (the code
+before a change), taking its turn in every round too; the table adds its medians and the
+median ratio ours / before.
 Run:  .venv/bin/python bench/vs_llama_server.py [--rounds 3] [--workloads tput_c1 ...]
       [--env NAME=VALUE ...]  (settings for our stack, e.g. STREAM_INTERVAL_MS=50)
+      [--baseline ROOT]
       [--parallel N] [--ctx N] [--gpu-layers N]  (both sides: slots, context, layers on
       the GPU; any tput_cN names a concurrency: bench/gpu_check.sh runs tput_c64)
 The last line printed is JSON: {"bench": "vs_llama_server", ...}.
@@ -275,6 +279,8 @@ def main() -> None:
                         help="settings for our stack (its defaults otherwise)")
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="the checkout whose daphne and daemon run (another commit's)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout's stack as a third side, 'before'")
     parser.add_argument("--parallel", type=int, help="slots on both sides (default 4)")
     parser.add_argument("--ctx", type=int, help="context on both sides (default 8192)")
     parser.add_argument("--gpu-layers", type=int,
@@ -288,29 +294,36 @@ def main() -> None:
             overrides[name] = str(value)
     peer = LlamaServer(binary, args.threads, args.parallel or 4, args.ctx or 8192,
                        args.gpu_layers)
-    ours = Stack(args.redis_url, 4, args.threads, f"bench-{secrets.token_hex(3)}",
-                 root=args.root, defaults=True, env=overrides, supervise=True)
-    rows: dict[str, list[tuple[dict, dict]]] = {w: [] for w in args.workloads}
+    stacks = {"ours": Stack(args.redis_url, 4, args.threads, f"bench-{secrets.token_hex(3)}",
+                            root=args.root, defaults=True, env=overrides, supervise=True)}
+    if args.baseline is not None:
+        stacks["before"] = Stack(args.redis_url, 4, args.threads,
+                                 f"bench-{secrets.token_hex(3)}", root=args.baseline,
+                                 defaults=True, env=overrides, supervise=True)
+    rows: dict[str, list[dict[str, dict]]] = {w: [] for w in args.workloads}
     try:
-        a = peer.start()
-        b = Side("ours", f"http://127.0.0.1:{ours.port}", ours.model, ours.open())
+        sides = [peer.start()] + [Side(name, f"http://127.0.0.1:{stack.port}", stack.model,
+                                       stack.open()) for name, stack in stacks.items()]
         print(f"machine: {machine()}")
         print(f"command: {' '.join(sys.argv)}")
         print(f"llama-server: {' '.join(peer.argv[1:])}")
         print(f"ours: run_scheduler --supervise + daphne from {args.root}, defaults"
               f"{' + ' + ' '.join(args.env) if args.env else ''}")
-        for side in (a, b):  # warm both (first decode, first request's imports)
+        if args.baseline is not None:
+            print(f"before: the same from {args.baseline}")
+        for side in sides:  # warm each (first decode, first request's imports)
             asyncio.run(throughput(side, 1, f"warm-{secrets.token_hex(2)}", 1))
         for r in range(args.rounds):
             for name in args.workloads:
                 salt = f"r{r}-{secrets.token_hex(3)}"
-                order = (a, b) if r % 2 == 0 else (b, a)
+                order = sides[r % len(sides):] + sides[:r % len(sides)]  # each goes first in turn
                 got = {side.name: run_workload(side, name, salt) for side in order}
-                rows[name].append((got["llama-server"], got["ours"]))
-                print(f"round {r} {name}: llama-server {_short(got['llama-server'])} | "
-                      f"ours {_short(got['ours'])}", flush=True)
+                rows[name].append(got)
+                print(f"round {r} {name}: " + " | ".join(
+                    f"{side.name} {_short(got[side.name])}" for side in sides), flush=True)
     finally:
-        ours.close()
+        for stack in stacks.values():
+            stack.close()
         peer.stop()
     summary = summarize(rows)
     print_table(summary)
@@ -331,11 +344,14 @@ def _short(result: dict) -> str:
                     for k, v in result.items())
 
 
-def summarize(rows: dict[str, list[tuple[dict, dict]]]) -> dict:
+def summarize(rows: dict[str, list[dict[str, dict]]]) -> dict:
+    """Per workload and metric: each side's spread over rounds, the per-round ratio ours /
+    llama-server (``ratio``) and, with a baseline, ours / before (``ratio_before``)."""
     out = {}
-    for name, pairs in rows.items():
-        peer = [p for p, _ in pairs]
-        ours = [o for _, o in pairs]
+    for name, rounds in rows.items():
+        peer = [got["llama-server"] for got in rounds]
+        ours = [got["ours"] for got in rounds]
+        before = [got["before"] for got in rounds if "before" in got]
         entry: dict[str, Any] = {}
         for metric in peer[0]:
             if peer[0][metric] is None or ours[0][metric] is None:
@@ -343,10 +359,15 @@ def summarize(rows: dict[str, list[tuple[dict, dict]]]) -> dict:
             entry[metric] = {
                 "llama_server": spread([p[metric] for p in peer]),
                 "ours": spread([o[metric] for o in ours]),
-                "ratio": spread([o[metric] / p[metric] for p, o in pairs]),
+                "ratio": spread([o[metric] / p[metric] for p, o in zip(peer, ours, strict=True)]),
             }
+            if before:
+                entry[metric]["before"] = spread([b[metric] for b in before])
+                entry[metric]["ratio_before"] = spread(
+                    [o[metric] / b[metric] for b, o in zip(before, ours, strict=True)])
         if name == "ttft":
-            entry["added_ms"] = spread([o["ttft_p50_ms"] - p["ttft_p50_ms"] for p, o in pairs])
+            entry["added_ms"] = spread([o["ttft_p50_ms"] - p["ttft_p50_ms"]
+                                        for p, o in zip(peer, ours, strict=True)])
         out[name] = entry
     return out
 
@@ -362,6 +383,10 @@ def print_table(summary: dict) -> None:
             print(f"{name:>9} {metric:>12} {cell['llama_server']['median']:>14.2f} "
                   f"{cell['ours']['median']:>10.2f} {r['median']:>14.3f} "
                   f"[{r['min']:.3f}, {r['max']:.3f}]")
+            if "before" in cell:
+                b = cell["ratio_before"]
+                print(f"{'':>9} {'':>12} {'before':>14} {cell['before']['median']:>10.2f} "
+                      f"{b['median']:>14.3f} [{b['min']:.3f}, {b['max']:.3f}] (ours/before)")
         if name == "ttft" and "added_ms" in entry:
             a = entry["added_ms"]
             print(f"{'':>9} TTFT added at conc 1: {a['median']:+.1f} ms "
