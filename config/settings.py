@@ -314,6 +314,10 @@ VOCAB_TENANT_JOBS = env_int("VOCAB_TENANT_JOBS", 4)
 VOCAB_JOBS = env_int("VOCAB_JOBS", 16)
 N_BATCH = env_int("N_BATCH", min(N_CTX, 2048))
 CHUNK_SIZE = env_int("CHUNK_SIZE", 512)
+# (daemon) Prompts whose prefill may finish in one tick (0: as many as fit). 1 on a CPU, whose
+# prefill costs the same per token batched or not: a burst's first tokens come one prompt's
+# prefill apart instead of all after the whole burst's. 0 on a GPU. docs/scheduler.md.
+PREFILL_PROMPTS_PER_TICK = env_int("PREFILL_PROMPTS_PER_TICK", 1)
 # max_tokens of a request that names none (bounded by the context either way)
 DEFAULT_MAX_TOKENS = env_int("DEFAULT_MAX_TOKENS", 512)
 # Jobs waiting for the model that each live daemon adds to the web's limit (past it: 503

@@ -213,6 +213,7 @@ class InferenceCore:
             )
         config = SchedulerConfig(
             chunk_size=get("CHUNK_SIZE"),
+            prompts_per_tick=get("PREFILL_PROMPTS_PER_TICK"),
             max_queue=get("MAX_QUEUE"),
             default_max_tokens=get("DEFAULT_MAX_TOKENS"),
             kv_block_tokens=get("KV_BLOCK_TOKENS"),

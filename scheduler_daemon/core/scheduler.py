@@ -120,10 +120,18 @@ class SchedulerConfig:
     # since it got the slot, and resumes later where it was.
     preemption: bool = True
     preempt_min_tokens: int = 16
-    # A burst's first tick: while requests are on their way into the queue (``arrivals``,
-    # the daemon's intake: jobs taken from Redis and not yet queued here) and free slots
-    # would stay empty without them, the tick waits for them, at most this long, so a burst
-    # is prefilled in one batch (one llama_decode) rather than its first request alone.
+    # Prompts whose prefill may finish in one tick (PREFILL_PROMPTS_PER_TICK; 0: as many as
+    # fit). On a CPU a prefill costs about the same per token whether one prompt or four
+    # share the batch, so a burst prefilled in one batch has every first token wait for the
+    # whole burst; finished one a tick, the first tokens come one prompt's prefill apart
+    # (the earlier ones decoding beside the later prefills). Chunks that do not finish
+    # their prompt are not limited. A GPU, whose batch of four costs about what one does,
+    # wants 0.
+    prompts_per_tick: int = 0
+    # With no such limit, a burst's first tick waits while requests are on their way into
+    # the queue (``arrivals``, the daemon's intake: jobs taken from Redis and not yet
+    # queued here) and free slots would stay empty without them, at most this long, so the
+    # burst is prefilled in one batch (one llama_decode) rather than its first alone.
     arrival_wait_s: float = 0.05
 
 
@@ -480,6 +488,8 @@ class Scheduler:
         as llama-server's first batch holds every slot its requests reached; one that
         arrives alone waits for nothing."""
         if self.arrivals is None or self.config.arrival_wait_s <= 0:
+            return 0.0
+        if self.config.prompts_per_tick:  # the tick could not finish theirs: no wait
             return 0.0
         start = self._clock()
         deadline = start + self.config.arrival_wait_s
@@ -918,6 +928,7 @@ class Scheduler:
         )
         if prefilling:
             self._rr_next = (prefilling[0].seq_id + 1) % n
+        finishers = self._finishers(prefilling, budget - used)
         for slot in prefilling:
             room = budget - used
             if room <= 0:
@@ -931,12 +942,25 @@ class Scheduler:
             fill, done = req.fill_tokens, len(slot.tokens)
             take = min(self.config.chunk_size, room, len(fill) - done)
             last = done + take == len(fill)
+            if last and finishers is not None and req.id not in finishers:
+                continue  # its prompt finishes in a later tick
             row = BatchRow(slot.seq_id, fill[done : done + take], done, last)
             plan.rows.append(PlannedRow(Phase.PREFILL, row, req, slot))
             used += take
         self._in_flight = plan.request_ids
         self.tick_rows = list(self._in_flight)
         self.last_plan = plan
+
+    def _finishers(self, prefilling: list[Slot], room: int) -> set[str] | None:
+        """The requests whose prompts may finish this tick (``prompts_per_tick`` of those
+        that could, the oldest arrivals first); None: no limit."""
+        limit = self.config.prompts_per_tick
+        if not limit:
+            return None
+        could = [s.request for s in prefilling
+                 if len(s.request.fill_tokens) - len(s.tokens) <= min(self.config.chunk_size,
+                                                                      room)]
+        return {r.id for r in sorted(could, key=lambda r: r.arrival)[:limit]}
 
     def _next_group(self) -> str:
         """The adapter group whose turn it is. Turns go in rounds: in a round every turn

@@ -73,3 +73,46 @@ def test_the_wait_is_bounded_and_ends_when_the_queue_fills_the_free_slots(harnes
     h.step()
     assert h.plans[1].admitted == ["b"]
     h.run()
+
+
+# -- one prompt finished per tick (PREFILL_PROMPTS_PER_TICK=1, the daemon's default) ----------
+
+
+def test_a_burst_finishes_one_prompt_a_tick_oldest_first_beside_the_earlier_decodes(harness):
+    h = harness(FakeEngine(n_batch=512), cache_prompt=False, prompts_per_tick=1)
+    for i in (0, 1, 2, 3):
+        h.scheduler.submit(req(f"r{i}", 40 + i, max_tokens=8))
+    for tick in range(4):
+        h.step()
+        plan = h.plans[-1]
+        assert plan.prefill_chunks() == {f"r{tick}": 40 + tick}  # the oldest waiting prompt
+        assert plan.decoding() == [f"r{i}" for i in range(tick)]  # the earlier ones decode
+    assert h.plans[0].admitted == ["r0", "r1", "r2", "r3"]  # all hold slots from the start
+    h.step()  # each first token came one tick after the previous one, not all at the 4th
+    assert h.plans[-1].decoding() == ["r0", "r1", "r2", "r3"]
+    h.run()
+    assert all(h.finished(f"r{i}").finish_reason == "length" for i in range(4))
+
+
+def test_chunks_that_do_not_finish_a_prompt_are_not_limited(harness):
+    h = harness(FakeEngine(n_batch=64), chunk_size=16, cache_prompt=False, prompts_per_tick=1)
+    h.scheduler.submit(req("long", 100, max_tokens=4))
+    h.scheduler.submit(req("s1", 10, max_tokens=4))
+    h.scheduler.submit(req("s2", 12, max_tokens=4))
+    h.step()
+    # the long prompt's chunk and the older short one's whole prompt; s2 waits its turn
+    assert h.plans[0].prefill_chunks() == {"long": 16, "s1": 10}
+    h.step()
+    assert h.plans[1].prefill_chunks() == {"long": 16, "s2": 12}
+    assert h.plans[1].decoding() == ["s1"]
+    h.run()
+
+
+def test_under_the_limit_a_tick_does_not_wait_for_arrivals(harness):
+    h = harness(FakeEngine(), cache_prompt=False, prompts_per_tick=1)
+    h.scheduler.arrivals = lambda: 3  # the rest of a burst, on its way
+    h.scheduler.submit(req("a", 8))
+    assert h.scheduler.await_arrivals() < 0.01  # the tick could not finish theirs anyway
+    h.step()
+    assert h.plans[0].prefill_chunks() == {"a": 8}
+    h.run()
