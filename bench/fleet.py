@@ -27,7 +27,18 @@ same two kinds one at a time (200 each, taking turns, and a third: a valid key w
 invalid body, 400 after authentication and validation, no Redis): median latency and the
 web's CPU per request of each, which is what a burst queues up on the web's event loop.
 
+Refusals by web processes (``--parts workers``, alone): two web servers on the same
+daemons, one of one daphne and one of two (``WEB_WORKERS``, started as ``make run`` starts
+them without the door: config/web_procs.py), the fleet held full; bursts of ``--burst`` of
+each refusal (401 a bad key, 503 ``queue_full``; a 429 of a tenant's limit is not to be had
+with the fleet full: the queue's gate answers first) against each, taking turns for
+``--burst-rounds`` rounds. Per setup the median p99 of each refusal and their spread
+(target: within 20 ms with two processes), the median over rounds of two processes' p99
+over one's, and per burst the CPU of each daphne, the daemons and Redis (which component
+the burst waits on).
+
     .venv/bin/python bench/fleet.py [--rounds 2] [--burst 240] [--redis-url URL]
+    .venv/bin/python bench/fleet.py --parts workers [--burst-rounds 4]
 
 Prints a table, then one JSON line.
 """
@@ -54,7 +65,7 @@ import httpx2 as httpx  # what the pinned openai SDK ships with (httpx API)
 import redis
 from _common import ROOT, cpu_ms, free_port, machine, model_path, model_served
 
-from config.listen import daphne_endpoint
+from config import web_procs
 from wire import protocol, queue
 
 DAEMONS = 3
@@ -82,21 +93,24 @@ class Fleet:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
         self.model = f"fleet-{secrets.token_hex(3)}"
         self.redis_url = redis_url
-        self.env = {**os.environ, "REDIS_URL": redis_url, "DEBUG": "false",
+        self.env = {**os.environ, "REDIS_URL": redis_url, "DEBUG": "false", "HTTPS_ONLY": "false",
                     "SECRET_KEY": secrets.token_urlsafe(40), "ALLOWED_HOSTS": "127.0.0.1",
                     "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
                     "LOG_LEVEL": "WARNING", "MODEL_PATH": model_path(),
                     "MODEL_NAME": self.model, "MODELS": self.model}
         self.procs: list[subprocess.Popen] = []
         self.ports: dict[str, int] = {}
-        self.web_pids: dict[str, int] = {}
+        self.web_pids: dict[str, list[int]] = {}
         self.daemon_ids = [f"fleet-d{i}-{secrets.token_hex(2)}" for i in range(DAEMONS)]
 
     def manage(self, *argv: str) -> str:
         return subprocess.run([sys.executable, "manage.py", *argv], cwd=ROOT, env=self.env,
                               check=True, capture_output=True, text=True).stdout
 
-    def start(self) -> None:
+    def start(self, webs: dict[str, tuple[int, dict[str, str]]] | None = None) -> None:
+        """The daemons, and the web servers: name -> (processes, settings of their own);
+        by default one daphne per routing mode."""
+        webs = webs or {mode: (1, {"ROUTING": mode}) for mode in MODES}
         self.manage("migrate", "-v", "0")
         log = (self.tmp / "log.txt").open("ab")
         for daemon_id in self.daemon_ids:
@@ -104,15 +118,16 @@ class Fleet:
                 [sys.executable, "manage.py", "run_scheduler", "--grace", "1",
                  "--daemon-id", daemon_id], cwd=ROOT, env={**self.env, **DAEMON_ENV},
                 stdout=log, stderr=subprocess.STDOUT))
-        for mode in MODES:
+        for name, (workers, settings) in webs.items():
+            # as make run starts them without the door (config/web_procs.py)
             port = free_port()
-            self.ports[mode] = port
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", port),
-                 "config.asgi:application"],
-                cwd=ROOT, env={**self.env, "ROUTING": mode}, stdout=log,
-                stderr=subprocess.STDOUT))
-            self.web_pids[mode] = self.procs[-1].pid
+            self.ports[name] = port
+            procs = web_procs.start_web(workers, host="127.0.0.1", port=port,
+                                        env={**self.env, "WEB_WORKERS": str(workers),
+                                             **settings}, stdout=log,
+                                        stderr=subprocess.STDOUT)
+            self.procs += procs
+            self.web_pids[name] = [p.pid for p in procs]
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + 300
         while not (all(model_served(p, self.model) for p in self.ports.values())
@@ -340,7 +355,7 @@ async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
         body = {"model": fleet.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
         kinds = {"bad": (bad, body), "good": (keys, body),
                  "invalid": (keys, {**body, "max_tokens": -1})}  # 400 after auth and parse
-        single = await one_by_one(http, base, kinds, 200, fleet.web_pids["cache_aware"])
+        single = await one_by_one(http, base, kinds, 200, fleet.web_pids["cache_aware"][0])
         for task in fill.tasks:  # type: ignore[attr-defined]
             task.cancel()  # their readers gone, the daemons cancel them (the resume grace)
     out: dict[str, Any] = {"burst": n, "rounds": rounds, "statuses": dict(counts),
@@ -353,10 +368,134 @@ async def refusals(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
     return out
 
 
+WORKER_SETUPS = {"w1": 1, "w2": 2}  # WEB_WORKERS of the two web servers compared
+REFUSALS = {"bad": "401", "good": "503"}
+
+
+def redis_pid(url: str) -> int | None:
+    """The Redis server's pid when it runs on this machine (its CPU is counted too)."""
+    pid = redis.Redis.from_url(url).info("server").get("process_id")
+    return int(pid) if pid and Path(f"/proc/{pid}").exists() else None
+
+
+async def refusals_by_workers(fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
+    """The refusals of a burst of ``n`` (401 a bad key, 503 ``queue_full`` with valid keys
+    of ``BURST_TENANTS`` tenants), the fleet held full, against WEB_WORKERS=1 and
+    WEB_WORKERS=2 (two web servers on the same daemons, Redis and database), taking turns:
+    rounds alternate which setup goes first and which kind. Per burst: p99 latency of its
+    refusal and the CPU each component spent (each daphne, the daemons, Redis). A 429 of a
+    tenant's limits cannot be had here: with the fleet full the model's queue is looked at
+    first (wire/lua/admit.lua), so a tenant over its requests a minute gets 503 too (the
+    probe before the rounds shows each kind's code)."""
+    keys = [fleet.tenant(f"burst{i}-{secrets.token_hex(2)}") for i in range(BURST_TENANTS)]
+    limited_tenants = [f"rpm1-{i}-{secrets.token_hex(2)}" for i in range(2)]
+    limited = [fleet.tenant(t) for t in limited_tenants]  # probed only (see above)
+    fleet.manage("shell", "-c", "from accounts.models import Tenant; Tenant.objects.filter("
+                 f"slug__in={limited_tenants!r}).update(requests_per_minute=1)")
+    fillers = [fleet.tenant(f"fill{i}-{secrets.token_hex(2)}") for i in range(BURST_TENANTS)]
+    kinds = {"bad": ["sk-nope.not-a-key"], "good": keys}
+    daemon_pids = [p.pid for p in fleet.procs if p.pid not in
+                   {pid for pids in fleet.web_pids.values() for pid in pids}]
+    rpid = redis_pid(fleet.redis_url)
+    rows: list[dict[str, Any]] = []
+    counts: Counter[str] = Counter()
+    base = {name: f"http://127.0.0.1:{fleet.ports[name]}" for name in WORKER_SETUPS}
+    async with httpx.AsyncClient(timeout=600) as http:
+        held = await fill(http, base["w1"], fillers, fleet.model, 2 * DAEMONS * 8)
+        counts["fill:running"] = len(held)
+        body = {"model": fleet.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        for which, which_keys in {**kinds, "limited": limited}.items():  # each one's code
+            reply = await http.post(f"{base['w1']}/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {which_keys[0]}"})
+            code = (reply.json().get("error") or {}).get("code")
+            counts[f"probe:{which}:{reply.status_code}:{code}"] += 1
+        order = list(REFUSALS)
+        for r in range(rounds):
+            for setup in (("w1", "w2") if r % 2 == 0 else ("w2", "w1")):
+                for which in order if r % 2 == 0 else order[::-1]:
+                    web_pids = fleet.web_pids[setup]
+                    pids = {"web": web_pids, "daemons": daemon_pids,
+                            "redis": [rpid] if rpid else [], "client": [os.getpid()]}
+                    before = {k: [cpu_ms(p) for p in v] for k, v in pids.items()}
+                    t0 = time.perf_counter()
+                    got = await burst(base[setup], kinds[which], fleet.model, n)
+                    wall = time.perf_counter() - t0
+                    cpu = {k: [round(cpu_ms(p) - b, 1) for p, b in zip(v, before[k],
+                                                                         strict=True)]
+                           for k, v in pids.items()}
+                    for status, latencies in got.items():
+                        counts[f"{setup}:{which}:{status}"] += len(latencies)
+                    refused = sorted(got.get(REFUSALS[which], []))
+                    rows.append({"round": r, "setup": setup, "kind": which,
+                                 "p99_ms": round(_quantile(refused, 0.99) * 1000, 1),
+                                 "p50_ms": round(_quantile(refused, 0.5) * 1000, 1),
+                                 "wall_ms": round(wall * 1000), "web_cpu_ms": cpu["web"],
+                                 "daemons_cpu_ms": round(sum(cpu["daemons"])),
+                                 "redis_cpu_ms": round(sum(cpu["redis"])),
+                                 "client_cpu_ms": round(sum(cpu["client"]))})
+                    print(f"  {json.dumps(rows[-1])}", flush=True)
+                    await asyncio.sleep(2)
+        for task in fill.tasks:  # type: ignore[attr-defined]
+            task.cancel()
+    return {"burst": n, "rounds": rounds, "statuses": dict(counts), "bursts": rows,
+            "summary": summarize_workers(rows)}
+
+
+def summarize_workers(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per setup: the median p99 of each refusal, and its spread (largest - smallest);
+    per refusal: the median over rounds of w2's p99 / w1's p99; per setup the median web
+    CPU of a burst (all its processes) and the largest process's share of it."""
+    out: dict[str, Any] = {}
+    for setup in WORKER_SETUPS:
+        mine = [r for r in rows if r["setup"] == setup]
+        p99 = {REFUSALS[k]: statistics.median(r["p99_ms"] for r in mine if r["kind"] == k)
+               for k in REFUSALS}
+        web_cpu = [sum(r["web_cpu_ms"]) for r in mine]
+        busiest = [max(r["web_cpu_ms"]) / max(sum(r["web_cpu_ms"]), 1) for r in mine]
+        out[setup] = {"p99_ms": p99, "p99_spread_ms": round(max(p99.values())
+                                                            - min(p99.values()), 1),
+                      "web_cpu_ms_per_burst": statistics.median(web_cpu),
+                      "busiest_process_share": round(statistics.median(busiest), 2),
+                      "daemons_cpu_ms_per_burst": statistics.median(
+                          r["daemons_cpu_ms"] for r in mine),
+                      "redis_cpu_ms_per_burst": statistics.median(
+                          r["redis_cpu_ms"] for r in mine),
+                      "client_cpu_ms_per_burst": statistics.median(
+                          r["client_cpu_ms"] for r in mine),
+                      "wall_ms": statistics.median(r["wall_ms"] for r in mine)}
+    ratios = {}
+    for kind, status in REFUSALS.items():
+        per_round = []
+        for r in sorted({row["round"] for row in rows}):
+            pair = {row["setup"]: row["p99_ms"] for row in rows
+                    if row["round"] == r and row["kind"] == kind}
+            if pair.get("w1") and pair.get("w2"):
+                per_round.append(pair["w2"] / pair["w1"])
+        ratios[status] = round(statistics.median(per_round), 3) if per_round else None
+    out["p99_ratio_w2_over_w1"] = ratios
+    return out
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def print_workers(result: dict[str, Any]) -> None:
+    summary = result["summary"]
+    print(f"{'setup':<6} {'p99 401':>8} {'p99 503':>8} {'spread':>7} "
+          f"{'web cpu':>8} {'busiest':>8} {'daemons':>8} {'redis':>6} {'client':>7} "
+          f"{'wall':>6}")
+    for setup in WORKER_SETUPS:
+        s = summary[setup]
+        p99 = s["p99_ms"]
+        print(f"{setup:<6} {p99['401']:>8} {p99['503']:>8} "
+              f"{s['p99_spread_ms']:>7} {s['web_cpu_ms_per_burst']:>8} "
+              f"{s['busiest_process_share']:>8} {s['daemons_cpu_ms_per_burst']:>8} "
+              f"{s['redis_cpu_ms_per_burst']:>6} {s['client_cpu_ms_per_burst']:>7} "
+              f"{s['wall_ms']:>6}")
+    print(f"p99 w2/w1 (median of rounds): {summary['p99_ratio_w2_over_w1']}")
 
 
 def main() -> None:
@@ -366,7 +505,8 @@ def main() -> None:
     parser.add_argument("--burst-rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=6, help="isolation pairs")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
-    parser.add_argument("--parts", nargs="+", default=["conversations", "isolation", "refusals"])
+    parser.add_argument("--parts", nargs="+", default=["conversations", "isolation", "refusals"],
+                        help="or 'workers' alone: the refusals at WEB_WORKERS=1 vs 2")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     print(f"command: bench/fleet.py {' '.join(sys.argv[1:])}".rstrip())
@@ -374,6 +514,15 @@ def main() -> None:
           f"conversations x {TURNS} turns, {AT_ONCE} at once, {NEW_TOKENS} new tokens")
     fleet = Fleet(args.redis_url)
     try:
+        if args.parts == ["workers"]:
+            # the bad key's burst measures a 401's cost, not the address's throttle (429)
+            fleet.start({name: (n, {"AUTH_FAILURES_PER_MINUTE": "0"})
+                         for name, n in WORKER_SETUPS.items()})
+            by_workers = asyncio.run(refusals_by_workers(fleet, args.burst, args.burst_rounds))
+            print_workers(by_workers)
+            print(json.dumps({"bench": "fleet-web-workers", "machine": machine(),
+                              "refusals_by_workers": by_workers}))
+            return
         fleet.start()
         runs: list[dict[str, Any]] = []
         for r in range(args.rounds if "conversations" in args.parts else 0):
