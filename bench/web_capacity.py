@@ -37,6 +37,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -212,10 +213,11 @@ class StandinStack:
     ``max_streams`` streams, on the benchmark's own Redis."""
 
     def __init__(self, redis: Redis, rate: float, max_streams: int, workers: int,
-                 interval_ms: int, env: dict[str, str]) -> None:
+                 interval_ms: int, env: dict[str, str], root: Path = ROOT) -> None:
         per_stream = 64 + int(rate * 40)
         self.redis = redis
-        self.stack = Stack(redis.url, n_parallel=max_streams, threads=1, model=MODEL, env={
+        self.stack = Stack(redis.url, n_parallel=max_streams, threads=1, model=MODEL,
+                           root=root, env={
             "ENGINE_STANDIN": STANDIN, "ENGINE_STANDIN_RATE": str(rate),
             "MODEL_PATH": model_path(), "N_PARALLEL": str(max_streams),
             "LOCAL_QUEUE": str(max_streams), "N_CTX": str(max_streams * per_stream),
@@ -419,6 +421,57 @@ def run_requests(stack: StandinStack, key: str, rates: list[float], seconds: flo
     return {"points": points, "capacity_rps_p99_le_100ms": best}
 
 
+def compare(redis: Redis, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """This checkout (A) against ``--baseline`` (B), side by side: each round runs every
+    point on A then B (B then A on odd rounds); per point, the median over rounds of the
+    per-round ratio A/B of the web's CPU per token, Redis commands per token and p99 gap."""
+    sides = {"A": ROOT, "B": args.baseline.resolve()}
+    rows: dict[tuple, dict[str, list[dict]]] = {}
+    for r in range(args.rounds):
+        for side in (["A", "B"] if r % 2 == 0 else ["B", "A"]):
+            for rate in args.rates:
+                stack = StandinStack(redis, rate, max(args.streams), args.workers,
+                                     args.interval_ms, env, root=sides[side])
+                key = stack.open()
+                try:
+                    for transport in args.transports:
+                        for n in args.streams:
+                            point = run_streams(stack, key, transport, n, rate, args.seconds,
+                                                args.interval_ms, args.clients)
+                            point["side"], point["round"] = side, r
+                            rows.setdefault((transport, rate, n), {}).setdefault(
+                                side, []).append(point)
+                finally:
+                    stack.close()
+    out = []
+    for (transport, rate, n), by_side in rows.items():
+        ratios: dict[str, list[float]] = {}
+        for a, b in zip(by_side["A"], by_side["B"], strict=True):
+            for name, value in (("web_cpu_per_token", lambda p: p["cpu_ms_per_token"]["web"]),
+                                ("daemon_cpu_per_token",
+                                 lambda p: p["cpu_ms_per_token"]["daemon"]),
+                                ("redis_cmds_per_token", lambda p: p["redis_cmds_per_token"]),
+                                ("gap_p99", lambda p: p["gap_p99_ms"]),
+                                ("ttft_p50", lambda p: p["ttft_p50_ms"])):
+                if value(b):
+                    ratios.setdefault(name, []).append(value(a) / value(b))
+        summary = {"transport": transport, "rate": rate, "streams": n,
+                   "A_holds": [p["holds"] for p in by_side["A"]],
+                   "B_holds": [p["holds"] for p in by_side["B"]],
+                   **{f"{k}_A_over_B": {"median": round(statistics.median(v), 3),
+                                         "min": round(min(v), 3), "max": round(max(v), 3)}
+                      for k, v in ratios.items()},
+                   "A": {k: [p[k] for p in by_side["A"]] for k in SUMMARY_KEYS},
+                   "B": {k: [p[k] for p in by_side["B"]] for k in SUMMARY_KEYS}}
+        print(json.dumps(summary), flush=True)
+        out.append(summary)
+    return {"baseline": str(sides["B"]), "rounds": args.rounds, "points": out}
+
+
+SUMMARY_KEYS = ("gap_p50_ms", "gap_p99_ms", "ttft_p50_ms", "delivered_tok_s",
+                "redis_cmds_per_token")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", nargs="+", default=["streams", "idle", "requests"])
@@ -432,6 +485,10 @@ def main() -> int:
     parser.add_argument("--request-rates", nargs="+", type=float,
                         default=[50, 100, 200, 300, 400, 600, 800])
     parser.add_argument("--interval-ms", type=int, default=50, help="STREAM_INTERVAL_MS")
+    parser.add_argument("--baseline", type=Path,
+                        help="compare mode: the other checkout (B), run side by side with "
+                        "this one (A) in alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="compare mode's rounds")
     parser.add_argument("--profile", help="a folder: py-spy's sampled stacks of the web "
                         "and daemon processes during each streams point (py-spy installed)")
     parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings on top")
@@ -464,6 +521,8 @@ def main() -> int:
                         result["saturation"][f"{transport}@{rate:g}"] = held
                 finally:
                     stack.close()
+        if "compare" in args.modes:
+            result["compare"] = compare(redis, args, env)
         if "idle" in args.modes or "requests" in args.modes:
             stack = StandinStack(redis, 1000.0, max(args.idle, 256), args.workers,
                                  args.interval_ms, env)

@@ -293,8 +293,11 @@ def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:
     return {"type": kind, "data": json.dumps(data, separators=(",", ":"))}
 
 
-def decode_event(fields: dict[Any, Any]) -> tuple[str, dict[str, Any]]:
-    """(type, data) of an events-stream entry (bytes or str fields)."""
+def decode_event(fields: dict[Any, Any] | list[Any]) -> tuple[str, dict[str, Any]]:
+    """(type, data) of an events-stream entry (bytes or str fields; a dict, or the flat
+    ``[name, value, ...]`` list of a raw XREAD reply)."""
+    if isinstance(fields, list):
+        fields = dict(zip(fields[::2], fields[1::2], strict=True))
     kind = fields.get(b"type", fields.get("type"))
     data = fields.get(b"data", fields.get("data"))
     if isinstance(kind, bytes):
