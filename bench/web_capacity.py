@@ -226,6 +226,9 @@ class StandinStack:
             "WEB_MAX_STREAMS": str(max_streams * 2), "WEB_TENANT_STREAMS": str(max_streams * 2),
             "WEB_WORKERS": str(workers), "PREEMPTION": "false", "EMBEDDINGS": "false",
             "STREAM_INTERVAL_MS": str(interval_ms), "KV_TENANT_SHARE": "1.0",
+            # a GPU's setting: every arrival's prefill in the next tick (the CPU default, 1,
+            # would admit one stream per tick)
+            "PREFILL_PROMPTS_PER_TICK": "0",
             **env})
         self.workers = workers
 
@@ -271,7 +274,7 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
     pids = stack.pids()
     cpu0, cmd0, wall0 = cpu_of(pids), stack.redis.commands(), time.monotonic()
     spies = [subprocess.Popen(  # sampled stacks of each process, for the breakdown
-        [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--gil",
+        [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--threads",
          "--format", "raw", "-r", "100", "-d", str(int(seconds + 3)), "-o",
          str(Path(profile) / f"{name}-{transport}-{n}-{i}.txt"), "-p", str(pid)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
