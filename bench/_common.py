@@ -96,12 +96,15 @@ class Stack:
 
     def __init__(self, redis_url: str, n_parallel: int, threads: int, model: str,
                  root: Path = ROOT, defaults: bool = False, env: dict[str, str] | None = None,
-                 supervise: bool = False, tmp: Path | None = None) -> None:
+                 supervise: bool = False, tmp: Path | None = None, workers: int = 1) -> None:
         """``defaults``: the service's own settings (as ``make run`` has them) instead of fixed
         engine sizes (N_CTX, N_BATCH, CHUNK, ``n_parallel``, ``threads``, no prefix cache);
         ``env``: settings on top; ``supervise``: the daemon under ``run_scheduler
         --supervise``, as ``make run`` starts it; ``root``: the checkout whose daphne and
-        daemon run; ``tmp``: the folder for the database and logs (a new one if None)."""
+        daemon run; ``tmp``: the folder for the database and logs (a new one if None);
+        ``workers``: that many daphnes on the port (config/web_procs.py, as ``make run``
+        starts them without the door)."""
+        self.workers = workers
         self.root = root
         self.supervise = supervise
         self.tmp = tmp or Path(tempfile.mkdtemp(prefix="bench-stack-"))
@@ -124,7 +127,7 @@ class Stack:
                              "N_BATCH": str(N_BATCH), "CHUNK_SIZE": str(CHUNK),
                              "N_THREADS": str(threads), "CACHE_PROMPT": "false"})
         self.env.update(env or {})
-        self.procs: list[subprocess.Popen] = []  # the daemon, then daphne
+        self.procs: list[subprocess.Popen] = []  # the daemon, then the daphnes
 
     def manage(self, *argv: str) -> str:
         """Run ``manage.py`` with the stack's settings; its stdout."""
@@ -153,9 +156,15 @@ class Stack:
         scheduler = [sys.executable, "manage.py", "run_scheduler", "--grace", "1"]
         if self.supervise:
             scheduler.append("--supervise")
-        for argv in (scheduler, daphne):
+        for argv in (scheduler, daphne)[: 1 if self.workers > 1 else 2]:
             self.procs.append(subprocess.Popen(argv, cwd=self.root, env=self.env, stdout=log,
                                                stderr=subprocess.STDOUT))
+        if self.workers > 1:
+            from config.web_procs import start_web
+
+            self.procs += start_web(self.workers, host="127.0.0.1", port=self.port,
+                                    env=self.env, cwd=self.root, stdout=log,
+                                    stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while not self.model_served():
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):

@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ class StandinStack:
         per_stream = 64 + int(rate * 40)
         self.redis = redis
         self.stack = Stack(redis.url, n_parallel=max_streams, threads=1, model=MODEL,
-                           root=root, env={
+                           root=root, workers=workers, env={
             "ENGINE_STANDIN": STANDIN, "ENGINE_STANDIN_RATE": str(rate),
             "MODEL_PATH": model_path(), "N_PARALLEL": str(max_streams),
             "LOCAL_QUEUE": str(max_streams), "N_CTX": str(max_streams * per_stream),
@@ -240,9 +241,9 @@ class StandinStack:
         return self.stack.port
 
     def pids(self) -> dict[str, list[int]]:
-        daemon, web = self.stack.procs[0], self.stack.procs[1]
-        return {"web": children(web.pid), "daemon": children(daemon.pid),
-                "redis": [self.redis.proc.pid]}
+        daemon, web = self.stack.procs[0], self.stack.procs[1:]
+        return {"web": [pid for proc in web for pid in children(proc.pid)],
+                "daemon": children(daemon.pid), "redis": [self.redis.proc.pid]}
 
     def close(self) -> None:
         self.stack.close()
@@ -274,8 +275,8 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
     pids = stack.pids()
     cpu0, cmd0, wall0 = cpu_of(pids), stack.redis.commands(), time.monotonic()
     spies = [subprocess.Popen(  # sampled stacks of each process, for the breakdown
-        [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--threads",
-         "--format", "raw", "-r", "100", "-d", str(int(seconds + 3)), "-o",
+        [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record",
+         "--threads", "--format", "raw", "-r", "100", "-d", str(int(seconds + 3)), "-o",
          str(Path(profile) / f"{name}-{transport}-{n}-{i}.txt"), "-p", str(pid)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for name in ("web", "daemon") for i, pid in enumerate(pids[name])] if profile else []
@@ -284,7 +285,18 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
              for share in shares if share]
     for p in procs:
         p.start()
+    samples: list[tuple[float, dict[str, float]]] = []  # (time, CPU so far), each second
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            samples.append((time.monotonic(), cpu_of(pids)))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     results = [queue.get(timeout=seconds * 4 + 120) for _ in procs]
+    stop.set()
+    sampler.join()
     for p in procs:
         p.join()
     for spy in spies:
@@ -314,6 +326,12 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
     cpu["client"] = client_cpu
     share = {k: round(v / wall / 10, 1) for k, v in cpu.items()}  # % of one core
+    # each process's share of a core over the seconds inside the window (the steady state)
+    steady = [(t1 - t0, {k: c1[k] - c0[k] for k in c1})
+              for (t0, c0), (t1, c1) in zip(samples, samples[1:], strict=False)
+              if t0 >= w0 and t1 <= w1]
+    steady_share = {k: round(sum(d[k] for _, d in steady) / sum(t for t, _ in steady) / 10, 1)
+                    for k in cpu0} if steady else {}
     gap_p99 = percentile(gaps, 0.99)
     holds = (not errors and complete == n and w1 > w0
              and gap_p99 <= HOLD_GAP_FACTOR * interval_ms and delivered >= 0.95 * n * rate)
@@ -328,7 +346,9 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
         "ttft_p99_ms": round(percentile(ttfts, 0.99), 1),
         "cpu_ms_per_token": {k: round(v / max(tokens, 1), 4) for k, v in cpu.items()},
         "core_share_pct": share,
-        "saturating": max((k for k in share if k != "client"), key=share.get),
+        "steady_core_share_pct": steady_share,
+        "saturating": max((k for k in share if k != "client"),
+                          key=(steady_share or share).get),
         "redis_cmds_per_token": round((cmd1 - cmd0) / max(tokens, 1), 3),
         "tokens": tokens,
     }
