@@ -20,6 +20,10 @@ Modes (``--modes``):
   share of a core.
 - ``idle``: ``--idle`` authenticated websockets held open on the web; the web processes'
   RSS before and after, per connection.
+- ``compare``: the ``streams`` points on ``--candidate`` (A, this checkout by default)
+  and ``--baseline`` (B) side by side, each round A then B (B then A on odd rounds); per
+  point the median over rounds of the ratio A / B of the web's and the daemon's CPU per
+  token, Redis commands per token, p99 gap and TTFT p50.
 - ``requests``: short non-streamed requests (max_tokens 1; the stand-in at 1000 ticks/s)
   sent open-loop at rising rates; the highest rate whose p99 latency is <= 100 ms.
 
@@ -106,8 +110,10 @@ class Redis:
                 time.sleep(0.05)
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
-    def commands(self) -> int:
-        return sum(v["calls"] for k, v in self.client.info("commandstats").items())
+    def commands(self) -> dict[str, int]:
+        """Calls so far by command (INFO commandstats)."""
+        return {k.removeprefix("cmdstat_"): v["calls"]
+                for k, v in self.client.info("commandstats").items()}
 
     def close(self) -> None:
         self.proc.terminate()
@@ -303,6 +309,7 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
         spy.wait()
     wall = time.monotonic() - wall0
     cpu1, cmd1 = cpu_of(pids), stack.redis.commands()
+    by_command = {k: n - cmd0.get(k, 0) for k, n in cmd1.items() if n > cmd0.get(k, 0)}
     streams = [s for r in results for s in r["streams"]]
     errors = [e for r in results for e in r["errors"]]
     client_cpu = sum(r["cpu_ms"] for r in results)
@@ -349,7 +356,10 @@ def run_streams(stack: StandinStack, key: str, transport: str, n: int, rate: flo
         "steady_core_share_pct": steady_share,
         "saturating": max((k for k in share if k != "client"),
                           key=(steady_share or share).get),
-        "redis_cmds_per_token": round((cmd1 - cmd0) / max(tokens, 1), 3),
+        "redis_cmds_per_token": round(sum(by_command.values()) / max(tokens, 1), 3),
+        "redis_cmds_per_token_by_command": {
+            k: round(n / max(tokens, 1), 4)
+            for k, n in sorted(by_command.items(), key=lambda kv: -kv[1])[:8]},
         "tokens": tokens,
     }
     print(json.dumps(point), flush=True)
@@ -448,7 +458,7 @@ def compare(redis: Redis, args: argparse.Namespace, env: dict[str, str]) -> dict
     """This checkout (A) against ``--baseline`` (B), side by side: each round runs every
     point on A then B (B then A on odd rounds); per point, the median over rounds of the
     per-round ratio A/B of the web's CPU per token, Redis commands per token and p99 gap."""
-    sides = {"A": ROOT, "B": args.baseline.resolve()}
+    sides = {"A": (args.candidate or ROOT).resolve(), "B": args.baseline.resolve()}
     rows: dict[tuple, dict[str, list[dict]]] = {}
     for r in range(args.rounds):
         for side in (["A", "B"] if r % 2 == 0 else ["B", "A"]):
@@ -488,7 +498,8 @@ def compare(redis: Redis, args: argparse.Namespace, env: dict[str, str]) -> dict
                    "B": {k: [p[k] for p in by_side["B"]] for k in SUMMARY_KEYS}}
         print(json.dumps(summary), flush=True)
         out.append(summary)
-    return {"baseline": str(sides["B"]), "rounds": args.rounds, "points": out}
+    return {"candidate": str(sides["A"]), "baseline": str(sides["B"]), "rounds": args.rounds,
+            "points": out}
 
 
 SUMMARY_KEYS = ("gap_p50_ms", "gap_p99_ms", "ttft_p50_ms", "delivered_tok_s",
@@ -511,6 +522,8 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path,
                         help="compare mode: the other checkout (B), run side by side with "
                         "this one (A) in alternating rounds")
+    parser.add_argument("--candidate", type=Path,
+                        help="compare mode: the checkout measured as A (default: this one)")
     parser.add_argument("--rounds", type=int, default=3, help="compare mode's rounds")
     parser.add_argument("--profile", help="a folder: py-spy's sampled stacks of the web "
                         "and daemon processes during each streams point (py-spy installed)")
