@@ -169,7 +169,8 @@ CTX=$((PARALLEL * 512))
 BENCH=("$VENV_PY" "$ROOT/bench/vs_llama_server.py" --rounds "$ROUNDS"
        --workloads "${workloads[@]}" ttft prefix --parallel "$PARALLEL" --ctx "$CTX"
        --gpu-layers -1 --env "MAX_QUEUE=$((4 * PARALLEL))"
-       "MAX_QUEUE_PER_TENANT=$((4 * PARALLEL))" KV_TENANT_SHARE=1.0)  # one tenant: no shares
+       "MAX_QUEUE_PER_TENANT=$((4 * PARALLEL))" KV_TENANT_SHARE=1.0  # one tenant: no shares
+       PREFILL_PROMPTS_PER_TICK=0)  # a GPU's setting: a burst's prompts in one batch
 if [[ $MODE != run ]]; then
   printf '    then, on the GPU: %s --redis-url redis://127.0.0.1:<port>/14\n' "${BENCH[*]}" >&2
   say "stopping before what needs a GPU (mode $MODE)"

@@ -54,4 +54,5 @@ application = TrustedRootPath(ProtocolTypeRouter({
 # walks it. Unfrozen, each one took 60-65 ms and collected nothing, every ~3 s while 256
 # streams ran: every stream's chunk waited (bench/web_capacity.py).
 get_resolver().url_patterns  # noqa: B018 - loads the URL conf and the views now
+gc.collect()  # start-up's garbage goes first: frozen, it would never be collected
 gc.freeze()

@@ -21,6 +21,7 @@ import redis.asyncio as aredis
 from django.conf import settings
 from redis.asyncio import retry as aretry
 from redis.backoff import NoBackoff
+from redis.driver_info import DriverInfo
 
 from config.env import env_float
 from inference.errors import ApiError
@@ -190,7 +191,7 @@ class StreamEvent:
 # in the installed package's metadata by every new connection (a burst grows the pool by a
 # connection a request, and the lookup, a file read and an email-header parse, was 7% of a
 # web process's CPU in a burst of 256 streams)
-LIB_VERSION = redis.__version__
+DRIVER_INFO = DriverInfo(lib_version=redis.__version__)
 STALE_CONNECTION_RETRY = aretry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
 
@@ -202,7 +203,7 @@ def async_client() -> aredis.Redis:
         pool = _Pool.from_url(
             url, max_connections=state.config.max_connections,
             wait_s=state.config.pool_timeout_s, socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY, lib_version=LIB_VERSION,
+            socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY, driver_info=DRIVER_INFO,
         )
         state.clients[url] = aredis.Redis(connection_pool=pool)
     return state.clients[url]
@@ -219,7 +220,7 @@ def stream_reader() -> StreamReader:
             connect=lambda: aredis.Redis(connection_pool=aredis.ConnectionPool.from_url(
                 url, max_connections=1, socket_timeout=SOCKET_TIMEOUT_S,
                 socket_connect_timeout=2, retry=STALE_CONNECTION_RETRY,
-                lib_version=LIB_VERSION)),
+                driver_info=DRIVER_INFO)),
             waker=async_client, decode=_stream_event)
     return state.stream_readers[url]
 

@@ -2,7 +2,7 @@
 llama.cpp, tokens at a chosen rate per stream.
 
 The daemon uses it instead of llama.cpp only when the setting ``ENGINE_STANDIN`` names it
-(``tests.standin_engine:RateEngine``; never the default): everything else is the real
+(``tests.standin_engine:make_engine``; never the default): everything else is the real
 daemon (intake, scheduler, event writer, transport), so a benchmark measures what the web
 and Redis cost per streamed token while the engine costs next to nothing.
 

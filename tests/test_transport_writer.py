@@ -235,3 +235,25 @@ def test_the_writer_flushes_streamed_tokens_on_the_grid():
     writer.on_event(TokenEvent(request_id, "b", 1, (2,)))
     # due a second after the slot (less the early share), not a second after the flush
     assert 0.25 < writer._flush_wait_s() <= 0.7 - event_writer.SLOT_EARLY
+
+
+def test_a_stopping_daemons_last_flush_writes_the_tokens_not_yet_due():
+    """The daemon's last flush (after the grace, before it hands requests back) writes
+    every buffered event, not only what is due: the next daemon continues a handed-back
+    request from its stream, and tokens left in memory would be generated twice."""
+    real = redis_conn()
+    writer = EventWriter(DaemonContext(real, f"m-{uuid.uuid4().hex[:6]}", "d"),
+                         stream_interval_s=60.0)
+    request_id = uuid.uuid4().hex
+    stream = protocol.events_stream(request_id)
+    try:
+        writer.on_event(TokenEvent(request_id, "a1", 1, (1,)))
+        writer.flush()
+        writer.on_event(TokenEvent(request_id, "a2", 1, (2,)))  # not due for a minute
+        writer.flush()
+        assert real.xlen(stream) == 1
+        writer.flush(everything=True)
+        texts = [protocol.decode_event(f)[1]["text"] for _, f in real.xrange(stream)]
+        assert texts == ["a1", "a2"] and not writer._buffer.items
+    finally:
+        real.delete(stream)

@@ -506,11 +506,13 @@ class Scheduler:
         return waited
 
     def _room_for_arrivals(self) -> bool:
-        """Whether a free slot would be left empty by what is queued (waiting or
-        preempted) now."""
+        """Whether the tick would hold new prompts alone (no slot is decoding or part-way
+        through a prompt: waiting delays no running stream) and a free slot would be left
+        empty by what is queued (waiting or preempted) now."""
         with self.lock:
-            free = sum(s.state is SlotState.IDLE for s in self._slots)
-            return free > len(self._waiting) + len(self._preempted)
+            if any(s.state is not SlotState.IDLE for s in self._slots):
+                return False  # a burst's first tick only, never a running stream's
+            return len(self._slots) > len(self._waiting) + len(self._preempted)
 
     def schedule(self) -> TickPlan:
         """Apply the cancels, admit what fits, and plan the batch within ``N_BATCH``. The

@@ -160,7 +160,7 @@ class SchedulerDaemon:
         self.lifecycle.move(State.STOPPING)
         self.writer.wake(force=True)
         self._join("cancels", "control", "writer", "heartbeat", "watch")
-        self.writer.flush()
+        self.writer.flush(everything=True)  # the held tokens too: nothing stays in memory
         self.writer.handed_back(handed_back)
         self.heartbeat.remove()
         self.lifecycle.move(State.STOPPED)

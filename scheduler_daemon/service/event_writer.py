@@ -269,12 +269,15 @@ class EventWriter:
             return 0.0
         return max(0.0, self._next_due - self._early_s - time.monotonic())
 
-    def flush(self) -> None:
-        """Write everything buffered in one round trip (see the module docstring)."""
+    def flush(self, everything: bool = False) -> None:
+        """Write what is due in one round trip (see the module docstring): the slot's
+        events, or before the slot the urgent requests' alone; ``everything``: all that is
+        buffered (a stopping daemon's last flush)."""
         with self._cond:
             buffer = self._buffer
             now_m = time.monotonic()
-            if buffer.everything or now_m >= self._next_due - self._early_s:  # the slot
+            if (everything or buffer.everything
+                    or now_m >= self._next_due - self._early_s):  # the slot
                 items, buffer.items = buffer.items, []
                 if items:
                     self._next_due = next_slot(self._next_due, now_m, self.stream_interval_s)

@@ -197,7 +197,11 @@ class Intake:
         """Generation jobs on their way into the core: read and not yet queued there (the
         prepare queue, the job being started), and one more while the reader, having just
         taken jobs, takes again (the rest of a burst may be behind them). The core's tick
-        waits for them while slots would stay free (``Scheduler.await_arrivals``)."""
+        waits for them while slots would stay free (``Scheduler.await_arrivals``). None
+        once the daemon no longer serves: a draining or stopping intake takes and starts
+        nothing more (what its queue holds goes back to Redis)."""
+        if self.lifecycle.state is not State.SERVING:
+            return 0
         return (len(self.prepare) - self.prepare.apart + self._submitting + self._looking)
 
     def embeddings_live(self) -> int:

@@ -116,3 +116,15 @@ def test_under_the_limit_a_tick_does_not_wait_for_arrivals(harness):
     h.step()
     assert h.plans[0].prefill_chunks() == {"a": 8}
     h.run()
+
+
+def test_a_tick_with_a_running_stream_never_waits_for_arrivals(harness):
+    """Only a burst's first tick waits: one tenant's jobs always on their way (a steady
+    flow of tiny requests being tokenized) must not slow another's running stream."""
+    h = harness(FakeEngine(n_seq_max=4), cache_prompt=False, arrival_wait_s=0.05)
+    h.scheduler.arrivals = lambda: 0
+    h.scheduler.submit(req("a", 8, max_tokens=6))
+    h.step()  # a prefilled: it decodes from now on
+    h.scheduler.arrivals = lambda: 2  # always something on its way, slots free
+    assert h.scheduler.await_arrivals() < 0.01
+    assert h.scheduler.counters["arrival_wait_timeouts"] == 0

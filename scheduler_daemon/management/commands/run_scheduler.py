@@ -178,6 +178,7 @@ class Command(BaseCommand):
         log.info("model loaded in %.1f s", time.monotonic() - t0)
         # what is loaded by now lives as long as the process: out of the collector's reach,
         # a full collection (60-80 ms here otherwise) no longer stalls a tick walking it
+        gc.collect()  # start-up's garbage first: frozen, it would never be collected
         gc.freeze()
         if os.environ.get("LOOP_CLOCK_FILE"):  # supervised: the watchdog reads the loop's marks
             core.clock = LoopClock(os.environ["LOOP_CLOCK_FILE"])
