@@ -25,6 +25,7 @@ takes its socket with it, and the kernel hashes new connections over those left.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -84,6 +85,8 @@ def reuseport_sockets(host: str, port: int | str, workers: int,
     address = host.strip("[]")
     if ":" in address:
         raise ValueError(f"{host}: daphne adopts IPv4 sockets only (Twisted's fd: endpoint)")
+    if int(port):
+        ensure_free(address, int(port))
     sockets: list[socket.socket] = []
     try:
         for _ in range(workers):
@@ -99,6 +102,22 @@ def reuseport_sockets(host: str, port: int | str, workers: int,
             sock.close()
         raise
     return sockets
+
+
+def ensure_free(address: str, port: int) -> None:
+    """Raise ``OSError`` (EADDRINUSE) if anything listens on ``address``:``port``: a socket
+    without ``SO_REUSEPORT`` cannot bind beside a listening one, so this probe finds what
+    the daphnes' own ``SO_REUSEPORT`` binds would not (daphnes of an earlier run killed
+    hard, still listening: the kernel would spread connections over old and new)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        probe.bind((address, port))
+    except OSError as exc:
+        raise OSError(errno.EADDRINUSE, f"{address}:{port} is in use (another server, or "
+                      "daphnes of an earlier run still listening)") from exc
+    finally:
+        probe.close()
 
 
 def fd_endpoint(sock: socket.socket) -> str:

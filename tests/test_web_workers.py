@@ -310,3 +310,22 @@ def test_the_door_lists_every_process_in_its_upstream(web):
     conf = proxy.render(web.door_config)
     assert all(f"server unix:{path};" in conf for path in web.sockets)
     assert [p.poll() for p in web.procs] == [None] * WORKERS
+
+
+def test_the_launcher_refuses_a_port_an_earlier_run_still_listens_on():
+    """Daphnes of a run killed hard keep the port's SO_REUSEPORT group: a new launch must
+    fail, not bind beside them and share the connections with old code."""
+    from config import web_procs
+
+    old = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        old.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        old.bind(("127.0.0.1", 0))
+        old.listen(8)
+        port = old.getsockname()[1]
+        with pytest.raises(OSError, match="in use"):
+            web_procs.reuseport_sockets("127.0.0.1", port, 2)
+    finally:
+        old.close()
+    for sock in web_procs.reuseport_sockets("127.0.0.1", port, 2):  # free again: it binds
+        sock.close()
