@@ -42,6 +42,7 @@ import os
 import pwd
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +75,9 @@ ANONYMOUS_API = ("health", "openapi.json", "docs", "metrics")
 KEY_CHECK_PATH = "/v1/internal/key-check"
 
 
-def _env_int(env: dict[str, str], name: str, default: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """The setting ``name`` from ``env``, an integer of at least 1 (``default`` when unset
+    or empty); anything else stops the command with a message naming it."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -114,17 +117,17 @@ class ProxyConfig:
                         if a.strip())
         return cls(
             listen=listen, upstream=upstream, workdir=Path(workdir),
-            max_body_bytes=_env_int(env, "DATA_UPLOAD_MAX_MEMORY_SIZE",
-                                    DATA_UPLOAD_MAX_MEMORY_SIZE),
-            header_timeout_s=_env_int(env, "PROXY_HEADER_TIMEOUT_S", PROXY_HEADER_TIMEOUT_S),
-            body_timeout_s=_env_int(env, "PROXY_BODY_TIMEOUT_S", PROXY_BODY_TIMEOUT_S),
-            keepalive_s=_env_int(env, "PROXY_KEEPALIVE_S", PROXY_KEEPALIVE_S),
-            send_timeout_s=_env_int(env, "PROXY_SEND_TIMEOUT_S", PROXY_SEND_TIMEOUT_S),
-            conns_per_address=_env_int(env, "PROXY_CONNS_PER_ADDRESS",
-                                       PROXY_CONNS_PER_ADDRESS),
-            requests_per_s=_env_int(env, "PROXY_REQUESTS_PER_S", PROXY_REQUESTS_PER_S),
-            request_burst=_env_int(env, "PROXY_REQUEST_BURST", PROXY_REQUEST_BURST),
-            workers=_env_int(env, "PROXY_WORKERS", PROXY_WORKERS),
+            max_body_bytes=env_int(env, "DATA_UPLOAD_MAX_MEMORY_SIZE",
+                                   DATA_UPLOAD_MAX_MEMORY_SIZE),
+            header_timeout_s=env_int(env, "PROXY_HEADER_TIMEOUT_S", PROXY_HEADER_TIMEOUT_S),
+            body_timeout_s=env_int(env, "PROXY_BODY_TIMEOUT_S", PROXY_BODY_TIMEOUT_S),
+            keepalive_s=env_int(env, "PROXY_KEEPALIVE_S", PROXY_KEEPALIVE_S),
+            send_timeout_s=env_int(env, "PROXY_SEND_TIMEOUT_S", PROXY_SEND_TIMEOUT_S),
+            conns_per_address=env_int(env, "PROXY_CONNS_PER_ADDRESS",
+                                      PROXY_CONNS_PER_ADDRESS),
+            requests_per_s=env_int(env, "PROXY_REQUESTS_PER_S", PROXY_REQUESTS_PER_S),
+            request_burst=env_int(env, "PROXY_REQUEST_BURST", PROXY_REQUEST_BURST),
+            workers=env_int(env, "PROXY_WORKERS", PROXY_WORKERS),
             trusted=trusted,
         )
 

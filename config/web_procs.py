@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script by compose
     sys.path.insert(0, str(ROOT))
 
 from config.listen import LISTEN_BACKLOG, daphne_endpoint, daphne_unix_endpoint  # noqa: E402
+from config.proxy import env_int  # noqa: E402
 
 MAX_DEFAULT_WORKERS = 4  # WEB_WORKERS' default: the cores, at most this many
 APPLICATION = "config.asgi:application"
@@ -54,16 +55,7 @@ def default_workers() -> int:
 
 def web_workers(env: Mapping[str, str] | None = None) -> int:
     """``WEB_WORKERS`` from ``env`` (the environment by default): at least 1."""
-    raw = (os.environ if env is None else env).get("WEB_WORKERS", "").strip()
-    if not raw:
-        return default_workers()
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SystemExit(f"WEB_WORKERS={raw!r} is not an integer") from None
-    if value < 1:
-        raise SystemExit(f"WEB_WORKERS={raw!r} must be at least 1")
-    return value
+    return env_int(os.environ if env is None else env, "WEB_WORKERS", default_workers())
 
 
 def unix_sockets(door: Path, workers: int) -> list[Path]:

@@ -184,14 +184,14 @@ class StreamEvent:
         return self.kind in protocol.TERMINAL
 
 
-# After a Redis restart every idle pooled connection is dead, and the asyncio pool hands
-# them out unchecked (it sees the server's close only once it has read it): one retry on a
-# fresh connection, at once; a Redis that is really away fails that one too.
 # redis-py's version as a new connection names it (CLIENT SETINFO): given, not looked up
 # in the installed package's metadata by every new connection (a burst grows the pool by a
 # connection a request, and the lookup, a file read and an email-header parse, was 7% of a
 # web process's CPU in a burst of 256 streams)
 DRIVER_INFO = DriverInfo(lib_version=redis.__version__)
+# After a Redis restart every idle pooled connection is dead, and the asyncio pool hands
+# them out unchecked (it sees the server's close only once it has read it): one retry on a
+# fresh connection, at once; a Redis that is really away fails that one too.
 STALE_CONNECTION_RETRY = aretry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
 

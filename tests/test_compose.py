@@ -55,14 +55,14 @@ def test_the_four_services_exist(services):
 
 
 def proxy_env_names() -> set[str]:
-    """Names config/proxy.py reads (``_env_int(env, "NAME", ...)``, ``env.get("NAME"``)."""
+    """Names config/proxy.py reads (``env_int(env, "NAME", ...)``, ``env.get("NAME"``)."""
     tree = ast.parse((BASE_DIR / "config" / "proxy.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Name) and func.id == "_env_int":
+        if isinstance(func, ast.Name) and func.id == "env_int":
             names.add(node.args[1].value)
         elif isinstance(func, ast.Attribute) and func.attr == "get" and node.args and \
                 isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):

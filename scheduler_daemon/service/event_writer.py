@@ -310,7 +310,6 @@ class EventWriter:
         for tenant_id, request_id, total_tokens in ended:  # tenant limits (inference/limits.py)
             limits.record_usage(pipe, tenant_id, request_id, total_tokens, now)
         expiring: dict[str, int] = {}  # stream -> retention, once per stream per flush
-        now_m = time.monotonic()
         for item in items:
             stream = protocol.events_stream(item.request_id)
             pipe.xadd(stream, protocol.encode_event(item.kind, item.data))
@@ -321,7 +320,6 @@ class EventWriter:
                 expiring[stream] = retention_s
                 self._expired_at[item.request_id] = now_m
             if item.kind in protocol.TERMINAL:
-                self._expired_at.pop(item.request_id, None)
                 pipe.hdel(self.running_key, item.request_id)
                 pipe.delete(protocol.owner_key(item.request_id))
                 session_id = self._sessions.get(item.request_id)
