@@ -66,7 +66,7 @@ class Formatter:
             if self.kind == CHAT:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.tools is not None:
-                    content, calls = read_reply(text, self.tools.mode)
+                    content, calls = read_reply(text, self.tools)
                     message["content"] = content
                     if calls:
                         message["tool_calls"] = calls
@@ -108,7 +108,7 @@ class Formatter:
             reasons = _reasons(event, self.n)
             out = []
             if self.tools is not None:
-                content, calls = read_reply("".join(self._held), self.tools.mode)
+                content, calls = read_reply("".join(self._held), self.tools)
                 if calls:
                     out.append(self._chunk({"tool_calls": [{"index": i, **call}
                                                            for i, call in enumerate(calls)]}))

@@ -170,9 +170,10 @@ def with_tools(messages: list[dict[str, str]], tool_plan: ToolPlan) -> list[dict
     return [{"role": "system", "content": tool_plan.system_text}, *messages]
 
 
-def read_reply(text: str, mode: str) -> tuple[str | None, list[dict[str, Any]]]:
+def read_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a tools request's output. Text that is not the JSON the
     grammar forces (a reply cut by max_tokens) is content, with no call."""
+    mode = tool_plan.mode
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularRedocView
 
-from inference import api_views, auth, metrics, views
+from inference import anthropic_api, api_views, auth, metrics, responses_api, views
 
 PUBLIC = {"authentication_classes": [], "permission_classes": []}  # no key needed
 history_list = views.InferenceRequestViewSet.as_view({"get": "list"})
@@ -15,6 +15,12 @@ api_patterns = [
     path("models/<path:model>", views.ModelDetailView.as_view(), name="model-detail"),
     path("completions", api_views.CompletionsView.as_view(), name="completions"),
     path("chat/completions", api_views.ChatCompletionsView.as_view(), name="chat-completions"),
+    path("responses", responses_api.ResponsesView.as_view(), name="responses"),
+    path("responses/<str:response_id>", responses_api.ResponseDetailView.as_view(),
+         name="response-detail"),
+    path("messages", anthropic_api.MessagesView.as_view(), name="messages"),
+    path("messages/count_tokens", anthropic_api.CountTokensView.as_view(),
+         name="messages-count-tokens"),
     path("embeddings", api_views.EmbeddingsView.as_view(), name="embeddings"),
     path("tokenize", api_views.TokenizeView.as_view(), name="tokenize"),
     path("detokenize", api_views.DetokenizeView.as_view(), name="detokenize"),

@@ -37,12 +37,13 @@ def test_required_is_any_of_the_calls_and_auto_may_answer_instead():
 
 
 def test_reading_replies_back():
-    content, calls = tools.read_reply('{"name":"f","parameters":{"x":1}}', "call")
+    call, auto = tools.plan({"tools": [F], "tool_choice": "required"}), tools.plan({"tools": [F]})
+    content, calls = tools.read_reply('{"name":"f","parameters":{"x":1}}', call)
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"x":1}'}
-    assert tools.read_reply('{"response":"hi"}', "auto") == ("hi", [])
-    _, calls = tools.read_reply('{"tool_call":{"name":"f","parameters":{}}}', "auto")
+    assert tools.read_reply('{"response":"hi"}', auto) == ("hi", [])
+    _, calls = tools.read_reply('{"tool_call":{"name":"f","parameters":{}}}', auto)
     assert calls[0]["function"]["name"] == "f"
-    assert tools.read_reply('{"name":"f","param', "call") == ('{"name":"f","param', [])
+    assert tools.read_reply('{"name":"f","param', call) == ('{"name":"f","param', [])
 
 
 def test_the_tool_prompt_joins_a_leading_system_message():
@@ -83,4 +84,5 @@ def test_bad_plans_name_the_field(body, param):
 
 def test_arguments_that_strict_json_cannot_hold_stay_content():
     text = '{"name":"f","parameters":{"x":1e999}}'  # the grammar allows it; it parses as inf
-    assert tools.read_reply(text, "call") == (text, [])
+    call = tools.plan({"tools": [F], "tool_choice": "required"})
+    assert tools.read_reply(text, call) == (text, [])
