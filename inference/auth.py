@@ -2,8 +2,9 @@
 and for the proxy's key check.
 
 ``ApiKeyAuthentication`` (REST_FRAMEWORK's default: every /v1/ view, sync or async) reads
-``Authorization: Bearer sk-...``; ``key_for`` is the same lookup for async code (the
-websocket's middleware and its ``auth`` message); ``key_check`` answers nginx's
+``Authorization: Bearer sk-...``, or ``X-Api-Key: sk-...`` (Anthropic's clients) without it;
+``key_for`` is the same lookup for async code (the websocket's middleware and its ``auth``
+message); ``key_check`` answers nginx's
 ``auth_request`` (GET /v1/internal/key-check) before it reads a request's body. A key is looked
 up in the database (``accounts.authentication.find_key``, on the web's database thread) and
 then trusted for ``KEY_CACHE_S`` in this process: a revoked key, or one whose tenant was
@@ -371,16 +372,20 @@ def _forget_tenant(sender: type, instance: Tenant, **kwargs: Any) -> None:
 
 
 class ApiKeyAuthentication(BaseAuthentication):
-    """DRF authentication by API key: ``request.auth`` is the ``ApiKey``, ``request.user``
-    an ``ApiKeyUser``. No header: None (the permission check answers 401 ``NO_KEY``); any
-    other header that is not a usable key: 401 ``BAD_KEY``; from a throttled address: 429
-    ``auth_throttled``. DRF calls ``authenticate`` on the request's thread (adrf's async
-    views too), which waits for the database thread when the key is not cached."""
+    """DRF authentication by API key (``Authorization: Bearer``, else ``X-Api-Key``):
+    ``request.auth`` is the ``ApiKey``, ``request.user`` an ``ApiKeyUser``. No header: None
+    (the permission check answers 401 ``NO_KEY``); any other header that is not a usable
+    key: 401 ``BAD_KEY``; from a throttled address: 429 ``auth_throttled``. DRF calls
+    ``authenticate`` on the request's thread (adrf's async views too), which waits for the
+    database thread when the key is not cached."""
 
     def authenticate(self, request: Request) -> tuple[ApiKeyUser, ApiKey] | None:
         header = request.headers.get("Authorization", "")
-        if not header:
-            return None
+        if not header:  # Anthropic's clients send the key as X-Api-Key
+            api_key_header = request.headers.get(API_KEY_HEADER, "").strip()
+            if not api_key_header:
+                return None
+            header = f"{KEYWORD} {api_key_header}"
         token = bearer_token(header)
         address = request.META.get("REMOTE_ADDR")
         api_key = lookup(token, address) if token else _known_bad(address)
