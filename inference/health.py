@@ -89,20 +89,62 @@ def _summary(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 def model_list() -> list[dict[str, Any]]:
     """OpenAI ``model`` objects for the models live daemons serve (earliest start wins), in
-    the order of ``MODELS``, then any other by name."""
+    the order of ``MODELS``, then any other by name; each says whether it embeds, its
+    default system prompt (a chat without a system message gets it; "" none) and how it
+    shows tools (``chat_tools``: its template's tool-call format, or "generic")."""
     started: dict[str, float] = {}
     embeds: set[str] = set()
-    for snapshot in broker.live_daemons_sync():
+    defaults: dict[str, str] = {}
+    snapshots = broker.live_daemons_sync()
+    for snapshot in snapshots:
         name = snapshot.get("model")
         if name:
             at = float(snapshot.get("started_at") or time.time())
+            if at <= started.get(name, at):  # the earliest daemon's word
+                defaults[name] = str(snapshot.get("default_system_prompt") or "")
             started[name] = min(at, started.get(name, at))
             if snapshot.get("embeddings"):
                 embeds.add(name)
     order = {name: i for i, name in enumerate(settings.MODELS)}  # the default model first
+    tools = _families(snapshots)
     return [
         {"id": name, "object": "model", "created": int(at), "owned_by": OWNER,
-         "embeddings": name in embeds}
+         "embeddings": name in embeds, "default_system_prompt": defaults.get(name, ""),
+         "chat_tools": tools.get(name) or "generic"}
         for name, at in sorted(started.items(), key=lambda item: (
             order.get(item[0], len(order)), item[0]))
     ]
+
+
+CHAT_TOOLS_MAX_AGE_S = 1.0
+_chat_tools: dict[str, str | None] = {}
+_chat_tools_at = [-CHAT_TOOLS_MAX_AGE_S]
+
+
+def chat_tools(model: str) -> str | None:
+    """The tool-call format ``model``'s template renders tools in (``"hermes"``), when every
+    live daemon of it says the same; None: tools go through the generic prompt (no daemon
+    says one, they disagree, or Redis does not answer). The daemons' snapshots are read at
+    most once a CHAT_TOOLS_MAX_AGE_S per process, by a request with tools."""
+    now = time.monotonic()
+    if now - _chat_tools_at[0] > CHAT_TOOLS_MAX_AGE_S:
+        try:
+            families = _families(broker.live_daemons_sync())
+        except redis.RedisError:
+            families = {}
+        _chat_tools.clear()
+        _chat_tools.update(families)
+        _chat_tools_at[0] = now
+    return _chat_tools.get(model)
+
+
+def _families(snapshots: list[dict[str, Any]]) -> dict[str, str | None]:
+    """model -> the ``chat_tools`` all its live daemons publish (None where they differ)."""
+    seen: dict[str, set[str | None]] = {}
+    for snapshot in snapshots:
+        name = snapshot.get("model")
+        if name:
+            family = snapshot.get("chat_tools")
+            seen.setdefault(name, set()).add(family if isinstance(family, str) else None)
+    return {name: next(iter(found)) if len(found) == 1 else None
+            for name, found in seen.items()}

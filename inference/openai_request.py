@@ -95,6 +95,7 @@ class ParsedRequest:
     cache_prompt: bool | None = None
     timeout_s: float | None = None  # the client's ``timeout``, at most REQUEST_TIMEOUT_S
     tool_plan: tools.ToolPlan | None = None  # a chat with tools: how its reply is read
+    tools: dict[str, Any] | None = None  # the job's tools, for a template that renders them
     request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
     echo: bool = False  # a completion's prompt text first in its reply
@@ -144,6 +145,7 @@ class ParsedRequest:
             session_id=self.session_id,
             continue_session=self.session_mode == "continue",
             adapter=self.adapter,
+            tools=self.tools,
             **self._routing(tenant_id),
         )
 
@@ -250,8 +252,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
                         if body.get(n) is not None)
             raise invalid(name, f"{name} cannot be combined with tools (the tool call has a "
                                 "grammar of its own); send tool_choice \"none\" to use it.")
-        parsed.messages = tools.with_tools(parsed.messages, parsed.tool_plan)
-        _check_size("messages", sum(len(m["content"].encode("utf-8")) for m in parsed.messages))
+        _with_tools(parsed, body["messages"])
         # the grammar every reply follows (bounds checked by tools.plan, compiled by the daemon)
         parsed.params["json_schema"] = parsed.tool_plan.schema
     parsed.timeout_s = _timeout(body.get("timeout"))
@@ -555,6 +556,33 @@ def _prompt(value: Any) -> str | list[int] | tuple[str | list[int], ...]:
         return value
     raise invalid("prompt", "prompt must be a string or a list of token ids "
                             "(batches of several prompts are not supported).")
+
+
+def _with_tools(parsed: ParsedRequest, raw_messages: list[Any]) -> None:
+    """The tools shown to the model: through its template when its daemons say it renders
+    them (``health.chat_tools``: the job carries them, the history's calls in their own
+    shape), else by the generic prompt, a system message (inference/tools.py)."""
+    from inference.health import chat_tools  # reads the daemons' snapshots (Redis)
+
+    plan, messages = parsed.tool_plan, parsed.messages or []
+    family = chat_tools(parsed.model) if plan is not None else None
+    if family in tools.FAMILIES:
+        try:
+            parsed.tool_plan = plan = tools.native(plan, family)
+        except InvalidParameter as exc:
+            _refuse(exc)
+        parsed.tools = tools.job_tools(plan)
+        parsed.messages = tools.native_messages(raw_messages, messages)
+        size = len(json.dumps(parsed.tools, ensure_ascii=False).encode("utf-8")) + sum(
+            len(c["arguments"].encode("utf-8")) for m in parsed.messages
+            for c in m.get("tool_calls", ()))
+    elif plan is not None:
+        parsed.messages = tools.with_tools(messages, plan)
+        size = 0
+    else:
+        return
+    _check_size("messages", size + sum(len(m["content"].encode("utf-8"))
+                                       for m in parsed.messages))
 
 
 def _tool_plan(body: dict[str, Any]) -> tools.ToolPlan | None:

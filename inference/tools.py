@@ -18,6 +18,16 @@ The reply is one call at most per turn (``parallel_tool_calls`` is accepted; a t
 has several calls). History: an assistant message with ``tool_calls`` is shown to the model
 as the calls in the same JSON (``wire.messages.call_text``), a ``tool`` message as its
 content.
+
+A model whose chat template renders tools itself, in a tool-call format parsed here (its
+daemons' snapshots say ``chat_tools``: ``"hermes"``, Hermes/Qwen's ``<tool_call>`` JSON
+``</tool_call>``), gets them through its template instead (``native``): the job carries the
+tools (``job_tools``) and the history's calls in their own shape (``native_messages``), no
+generic prompt is added, and the grammar (made by the daemon from ``schema``, the JSON of one
+call ``{"name": ..., "arguments": {...}}``) forces the family's format: a call for a named or
+required choice, a call or text that does not begin with ``<`` for ``auto``. ``read_reply``
+reads that format back. A template that renders tools in a format not parsed here keeps the
+generic prompt (the daemon publishes no ``chat_tools`` for it).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from wire.errors import InvalidParameter
@@ -48,12 +58,16 @@ class Function:
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """What a tools request does: the system text to show, the schema its output follows,
-    and how its output is read back (``mode``: "call" or "auto")."""
+    and how its output is read back (``mode``: "call" or "auto"; ``family``: "generic",
+    the JSON this module asks for, or the template's tool-call format, "hermes").
+    ``functions``: every tool of the request (``names``: those a call may name)."""
 
     mode: str
     names: tuple[str, ...]
     system_text: str
     schema: dict[str, Any]
+    family: str = "generic"
+    functions: tuple[Function, ...] = ()
 
 
 def plan(body: dict[str, Any]) -> ToolPlan | None:
@@ -92,7 +106,55 @@ def plan(body: dict[str, Any]) -> ToolPlan | None:
         schema = call_schema
     check_json_schema(schema, "tools")  # the bounds the daemon's grammar compile has
     return ToolPlan(mode, tuple(f.name for f in allowed), _system_text(functions, mode),
-                    schema)
+                    schema, functions=tuple(functions))
+
+
+FAMILIES = ("hermes",)  # the tool-call formats read_reply parses (a template's own)
+
+
+def native(tool_plan: ToolPlan, family: str) -> ToolPlan:
+    """``tool_plan`` for a model whose template renders tools and asks for calls in
+    ``family``'s format: no system text; the schema of one call, ``{"name": <an allowed
+    name>, "arguments": <its parameters' schema>}`` (the daemon wraps its grammar in the
+    family's markup)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tool-call format {family!r}")
+    allowed = [f for f in tool_plan.functions if f.name in tool_plan.names]
+    alternatives = [{"type": "object", "properties": {"name": {"const": f.name},
+                                                      "arguments": f.parameters},
+                     "required": ["name", "arguments"]} for f in allowed]
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    check_json_schema(schema, "tools")
+    return replace(tool_plan, system_text="", schema=schema, family=family)
+
+
+def job_tools(tool_plan: ToolPlan) -> dict[str, Any]:
+    """The job's ``tools`` (wire/protocol.py ``Job.tools``) for a template that renders them:
+    every function as an OpenAI tool object, and the mode."""
+    return {"mode": tool_plan.mode, "functions": [
+        {"type": "function", "function": {"name": f.name, "description": f.description,
+                                          "parameters": f.parameters}}
+        for f in tool_plan.functions]}
+
+
+def native_messages(raw: list[Any], checked: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The checked messages (``wire.messages``: their calls folded into text) with each
+    assistant message's ``tool_calls`` as ``[{"name", "arguments"}]`` of its own and its
+    text alone as content: the shape a template renders calls from. ``raw``: the request's
+    messages, already checked."""
+    out: list[dict[str, Any]] = []
+    for message, pair in zip(raw, checked, strict=True):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if calls is None:
+            out.append(pair)
+            continue
+        content = message.get("content")
+        if isinstance(content, list):  # text parts (checked)
+            content = "".join(part["text"] for part in content)
+        out.append({"role": "assistant", "content": content or "", "tool_calls": [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in calls]})
+    return out
 
 
 def _functions(tools: Any) -> list[Function]:
@@ -173,6 +235,8 @@ def with_tools(messages: list[dict[str, str]], tool_plan: ToolPlan) -> list[dict
 def read_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a tools request's output. Text that is not the JSON the
     grammar forces (a reply cut by max_tokens) is content, with no call."""
+    if tool_plan.family == "hermes":
+        return _read_hermes(text)
     mode = tool_plan.mode
     try:
         value = json.loads(text)
@@ -185,11 +249,43 @@ def read_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[st
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)
             and "parameters" in value):
         return text, []
+    call = _call(value["name"], value["parameters"])
+    return (text, []) if call is None else (None, [call])
+
+
+def _read_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes/Qwen calls: ``<tool_call>`` ``{"name": ..., "arguments": {...}}``
+    ``</tool_call>`` blocks and nothing else around them; anything else is content."""
+    rest, calls = text.strip(), []
+    while rest.startswith(_OPEN):
+        end = rest.find(_CLOSE)
+        if end < 0:
+            return text, []
+        try:
+            value = json.loads(rest[len(_OPEN):end])
+        except (ValueError, RecursionError):
+            return text, []
+        call = _call(value.get("name"), value.get("arguments")) \
+            if isinstance(value, dict) and "arguments" in value else None
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = rest[end + len(_CLOSE):].strip()
+    return (None, calls) if calls and not rest else (text, [])
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _call(name: Any, arguments: Any) -> dict[str, Any] | None:
+    """A chat ``tool_calls`` entry, or None when the name is no string or the arguments
+    are not strict JSON."""
+    if not isinstance(name, str):
+        return None
     try:  # 1e999 parses as inf, which strict JSON cannot hold: such text stays content
-        arguments = json.dumps(value["parameters"], ensure_ascii=False, separators=(",", ":"),
-                               allow_nan=False)
+        text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False)
     except ValueError:
-        return text, []
-    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": value["name"], "arguments": arguments}}
-    return None, [call]
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": text}}

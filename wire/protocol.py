@@ -257,6 +257,10 @@ class Job:
     # A tenant's LoRA adapter (its registered row, resolved by the web): {"id": "ad_...",
     # "path": absolute file path, "sha256": the file's hash, "scale": float}; None: the base
     adapter: dict[str, Any] | None = None
+    # A chat's tools for a model whose template renders them (the daemon's snapshot says
+    # ``chat_tools``): {"mode": "call" | "auto", "functions": [OpenAI function tools]};
+    # None: no tools, or tools shown by the web's generic prompt in ``messages``
+    tools: dict[str, Any] | None = None
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD."""

@@ -3,20 +3,32 @@
 Which template: a configured one (``CHAT_TEMPLATE``: jinja2 text, or the name of a
 llama.cpp built-in), else the GGUF's ``tokenizer.chat_template``, else the llama.cpp
 built-in named for the model's architecture (Gemma 3 270M ships no template: ``gemma``).
+
+Tools: a jinja template that renders the ``tools`` variable, and whose tool-call format
+this service parses (``TOOL_FAMILIES``: Hermes/Qwen's ``<tool_call>`` JSON ``</tool_call>``),
+gets a job's tools and its history's calls in its own shape (``tools_family``, published
+in the daemon's snapshot as ``chat_tools``). Every tenant string inside them that is more
+than a plain word (``PLAIN_WORD``) is a content piece, like message text: a description
+holding ``<|im_end|>`` is those characters, never the special token.
+
+A default system prompt (the catalog's, ``default_system``) is the first message of a
+conversation whose messages have no system or developer message of their own.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from wire.errors import InvalidParameter
-from wire.messages import MAX_MESSAGES, ROLES
+from wire.messages import MAX_MESSAGES, MAX_TOOL_CALLS, ROLES
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +50,26 @@ def message_pairs(messages: Any) -> list[tuple[str, str]]:
             raise InvalidParameter(f"messages[{i}].content", "must be a string")
         pairs.append((role, content))
     return pairs
+
+
+def message_calls(messages: list[Any]) -> dict[int, list[dict[str, Any]]]:
+    """The assistant messages' ``tool_calls`` (a jobs with tools, for a template that
+    renders them): message index -> ``[{"name", "arguments"}]``, names and arguments
+    strings (arguments as the client sent them: JSON text, parsed when they render)."""
+    calls: dict[int, list[dict[str, Any]]] = {}
+    for i, message in enumerate(messages):
+        raw = message.get("tool_calls") if isinstance(message, dict) else None
+        if raw is None:
+            continue
+        if message.get("role") != "assistant" or not isinstance(raw, list) \
+                or not 0 < len(raw) <= MAX_TOOL_CALLS \
+                or not all(isinstance(c, dict) and set(c) == {"name", "arguments"}
+                           and isinstance(c["name"], str) and isinstance(c["arguments"], str)
+                           for c in raw):
+            raise InvalidParameter(f"messages[{i}].tool_calls",
+                                   "must be a list of {name, arguments} strings")
+        calls[i] = raw
+    return calls
 
 
 
@@ -62,35 +94,81 @@ class ChatRenderer:
     (``<end_of_turn>``) gets those characters, not a forged turn boundary.
     """
 
-    def __init__(self, source: TemplateSource, configured: str = "") -> None:
+    def __init__(self, source: TemplateSource, configured: str = "",
+                 default_system: str = "") -> None:
         self._source = source
+        self.default_system = default_system
         template = configured or source.model_chat_template() or ""
+        uses_tools = False
         if template and "{" not in template:
             self.builtin, self._jinja = template, None
         elif template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson  # transformers' (no HTML escaping)
             self.builtin, self._jinja = None, env.from_string(template)
+            uses_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
         else:
             self.builtin, self._jinja = source.builtin_template_name(), None
         self.kind = "jinja" if self._jinja else f"builtin:{self.builtin}"
-        log.info("chat template: %s", self.kind)
+        self.tools_family = self._tools_family(template) if uses_tools else None
+        log.info("chat template: %s, tools: %s", self.kind, self.tools_family or "generic")
 
-    def render(self, messages: list[tuple[str, str]]) -> str:
+    def _tools_family(self, template: str) -> str | None:
+        """The tool-call format this template asks for, when it renders tools (a probe
+        tool's name is in its output) and the format is one this service parses."""
+        family = next((name for name, mark in TOOL_FAMILIES.items() if mark in template), None)
+        if family is None:
+            return None
+        probe = {"type": "function", "function": {"name": _PROBE, "description": "",
+                                                  "parameters": {"type": "object"}}}
+        try:
+            text = self._render_text([("user", "?")], tools=[probe])
+        except InvalidParameter:
+            return None
+        return family if _PROBE in text else None
+
+    def render(self, messages: list[tuple[str, str]], tools: list[dict[str, Any]] | None = None,
+               calls: dict[int, list[dict[str, Any]]] | None = None) -> str:
         """Prompt text (markup and content together)."""
-        return "".join(text for text, _ in self.segments(messages))
+        return "".join(text for text, _ in self.segments(messages, tools, calls))
 
-    def segments(self, messages: list[tuple[str, str]]) -> list[tuple[str, bool]]:
+    def segments(self, messages: list[tuple[str, str]], tools: list[dict[str, Any]] | None = None,
+                 calls: dict[int, list[dict[str, Any]]] | None = None) -> list[tuple[str, bool]]:
         """The prompt as (text, is_content) pieces in order: markup pieces come from the
-        template, content pieces are message text exactly as the template placed it.
+        template, content pieces are message text (and tenant text in ``tools`` and the
+        history's ``calls``) exactly as the template placed it. ``tools``: OpenAI tool
+        objects, for a template that renders them (``tools_family``); ``calls``: message
+        index -> its tool calls (``message_calls``). The default system prompt comes first
+        when no message is a system or developer one."""
+        if self.default_system and not any(r in ("system", "developer") for r, _ in messages):
+            messages = [("system", self.default_system), *messages]
+            calls = {i + 1: c for i, c in (calls or {}).items()}
+        return self._segments(messages, tools, calls)
+
+    def _segments(self, messages: list[tuple[str, str]], tools: list[dict[str, Any]] | None = None,
+                  calls: dict[int, list[dict[str, Any]]] | None = None) -> list[tuple[str, bool]]:
+        """``segments`` without the default system prompt.
 
         Each content is wrapped in markers made of private-use characters and a fresh random
         nonce (no client can guess them), rendered, then cut apart at the markers."""
+        if (tools or calls) and self.tools_family is None:
+            raise InvalidParameter("tools", "this model's chat template does not render tools")
         nonce = secrets.token_hex(8)
         opening = f"{_MARK_OPEN}{nonce}{_MARK_END}"
         closing = f"{_MARK_CLOSE}{nonce}{_MARK_END}"
-        wrapped = [(role, f"{opening}{content}{closing}") for role, content in messages]
-        text = self._render_text(wrapped)
+
+        def wrap(value: Any) -> Any:
+            return _wrap_strings(value, opening, closing)
+
+        # an empty content stays empty: a template's ``if message.content`` sees it so
+        wrapped = [(role, f"{opening}{content}{closing}" if content else "")
+                   for role, content in messages]
+        text = self._render_text(
+            wrapped, tools=None if tools is None else [wrap(t) for t in tools],
+            calls={i: [{"type": "function", "function": {
+                "name": wrap(c["name"]), "arguments": wrap(_arguments(c["arguments"]))}}
+                for c in each] for i, each in (calls or {}).items()})
         pieces: list[tuple[str, bool]] = []
         rest = text
         while rest:
@@ -108,10 +186,12 @@ class ChatRenderer:
             if content:
                 pieces.append((content, True))
             rest = rest[end + len(closing) :]
-        if closing in rest:
-            raise InvalidParameter("messages", "the chat template mangled message content")
         if rest:
             pieces.append((rest, False))
+        if any(not is_content and _MARKS.search(text) for text, is_content in pieces):
+            # a marker left in the markup (or escaped there: ``| string``, an ASCII
+            # ``tojson``) would leave tenant text among the markup's special tokens
+            raise InvalidParameter("messages", "the chat template mangled message content")
         return pieces
 
     def continuation_segments(self, messages: list[tuple[str, str]]) -> list[tuple[str, bool]]:
@@ -122,7 +202,7 @@ class ChatRenderer:
         reply's content: whatever the template puts at a conversation's start (a BOS, a
         default system prompt) stays in the stand-in's part."""
         stand_in = [("user", "?"), ("assistant", "!")]
-        pieces = self.segments(stand_in + messages)
+        pieces = self._segments(stand_in + messages)
         contents = [i for i, (_, is_content) in enumerate(pieces) if is_content]
         tail = pieces[contents[1] + 1:] if len(contents) > 1 else None
         wanted = sum(1 for _, content in messages if content)
@@ -131,16 +211,23 @@ class ChatRenderer:
                                    "a conversation with these messages; send the full history")
         return tail
 
-    def _render_text(self, messages: list[tuple[str, str]]) -> str:
+    def _render_text(self, messages: list[tuple[str, str]],
+                     tools: list[dict[str, Any]] | None = None,
+                     calls: dict[int, list[dict[str, Any]]] | None = None) -> str:
         """The template's text. A template's leading BOS is dropped when the tokenizer adds
         one (Gemma); a model whose tokenizer adds none keeps it (SmolLM2: its BOS is
         ``<|im_start|>``, the first turn's own marker)."""
         if self._jinja is None:
             return self._source.apply_builtin_template(self.builtin, messages)
         bos = self._source.token_text(self._source.bos_token)
+        shown = [{"role": r, "content": c} for r, c in messages]
+        for i, each in (calls or {}).items():
+            shown[i]["tool_calls"] = each
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = self._jinja.render(
-                messages=[{"role": r, "content": c} for r, c in messages],
+                messages=shown,
+                **extra,
                 add_generation_prompt=True,
                 bos_token=bos,
                 eos_token=self._source.token_text(self._source.eos_token),
@@ -154,7 +241,67 @@ class ChatRenderer:
 
 # Content markers (Unicode private use area) around each message while the template runs.
 _MARK_OPEN, _MARK_CLOSE, _MARK_END = "\ue000", "\ue001", "\ue002"
+_MARKS = re.compile(r"[\ue000-\ue002]|\\[uU]0*[eE]00[0-2]")
+
+
+# The tool-call formats parsed back (inference/tools.py), each known by its template's text.
+TOOL_FAMILIES = {"hermes": "<tool_call>"}
+# Tenant strings of these characters only (names, JSON-schema keywords) stay in the markup,
+# where a template may compare them; they cannot spell a special token's text.
+PLAIN_WORD = re.compile(r"[A-Za-z0-9_$-]*")
+_PROBE = "probe_tool_7f3c"
+
+
+def _wrap_strings(value: Any, opening: str, closing: str) -> Any:
+    """``value`` with every string (keys too) that is not a plain word between the content
+    markers: the template may place them anywhere, the tokenizer reads them as text."""
+    if isinstance(value, str):
+        return value if PLAIN_WORD.fullmatch(value) else f"{opening}{value}{closing}"
+    if isinstance(value, dict):
+        return {_wrap_strings(k, opening, closing): _wrap_strings(v, opening, closing)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_wrap_strings(v, opening, closing) for v in value]
+    return value
+
+
+def _arguments(text: str) -> Any:
+    """A history call's arguments as the object templates show (``| tojson``), or the text
+    as it is when it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter (jinja2's escapes HTML), never ASCII-escaped: the
+    content markers must come through as they are."""
+    return json.dumps(value, ensure_ascii=False, indent=indent,
+                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
 
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def tool_grammar(family: str, call_gbnf: str, mode: str) -> str:
+    """The grammar of a reply in ``family``'s format, from the GBNF of one call's JSON
+    (``{"name": ..., "arguments": ...}``, llama.cpp's conversion of the job's schema):
+    ``mode`` "call": one call; "auto": one call, or text that does not begin with ``<``
+    (the call's first character; a reply that is not a call is free text)."""
+    if family not in TOOL_FAMILIES:
+        raise InvalidParameter("tools", f"no grammar for the tool-call format {family!r}")
+    body = _ROOT_RULE.sub("tool-call-json ::=", call_gbnf, count=1)
+    body = _ROOT_REF.sub("tool-call-json", body)
+    call = r'"<tool_call>\n" tool-call-json "\n</tool_call>"'
+    if mode == "auto":
+        return f"root ::= tool-call | tool-text\ntool-call ::= {call}\n" \
+               f"tool-text ::= [^<] [^\\x00]*\n{body}"
+    return f"root ::= {call}\n{body}"
+
+
+_ROOT_RULE = re.compile(r"^root\s*::=", re.MULTILINE)
+_ROOT_REF = re.compile(r"(?<![\w-])root(?![\w-])")

@@ -24,6 +24,7 @@ web validated everything else before the job was queued.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -41,7 +42,7 @@ from wire.errors import InvalidParameter, Refusal
 from wire.sampling import SamplingParams
 
 from .adapters import SCOPE_SEP, AdapterRegistry
-from .chat import ChatRenderer, message_pairs
+from .chat import ChatRenderer, message_calls, message_pairs, tool_grammar
 from .choices import ChoiceGroups
 from .disk_cache import DiskCache
 from .embeddings import DEFAULT_EMBEDDINGS_TENANT_TOKENS, EmbeddingsQueue
@@ -115,6 +116,7 @@ class InferenceCore:
         engine: Any,
         config: SchedulerConfig,
         chat_template: str = "",
+        default_system: str = "",
         on_tick: Callable[[TickStats], None] | None = None,
         max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
         embeddings: bool = True,
@@ -134,7 +136,9 @@ class InferenceCore:
         ``disk``: the prefix cache's disk tier (opened); ``stop`` saves the slots' and the RAM
         tier's states to it for at most ``shutdown_save_s`` (PROMPT_CACHE_SHUTDOWN_S).
         ``max_loaded_adapters`` (MAX_LOADED_ADAPTERS): LoRA adapters loaded at once;
-        ``adapters_dir`` (ADAPTERS_DIR): where their files must lie (None: anywhere)."""
+        ``adapters_dir`` (ADAPTERS_DIR): where their files must lie (None: anywhere).
+        ``default_system``: the catalog's default system prompt for this model (a chat
+        without a system or developer message gets it first)."""
         self.engine = engine
         self.embeddings = embeddings
         self._embed_owed_s = 0.0  # embeddings time not yet matched by generation time
@@ -142,7 +146,7 @@ class InferenceCore:
         # called at the start of each loop turn, before its tick (the composition root's
         # fault hooks: run_scheduler.abort_when_marked)
         self.turn_hooks: list[Callable[[], None]] = []
-        self.chat = ChatRenderer(engine, chat_template)
+        self.chat = ChatRenderer(engine, chat_template, default_system)
         self.scheduler = Scheduler(engine, config, self._dispatch, on_tick=self._tick, disk=disk)
         self.adapters = AdapterRegistry(engine, getattr(engine, "model_path", ""),
                                         max_loaded_adapters, self.scheduler.adapters_in_use,
@@ -239,10 +243,15 @@ class InferenceCore:
         max_prompt_bytes = overrides.get(
             "max_prompt_bytes", getattr(settings, "MAX_PROMPT_BYTES", DEFAULT_MAX_PROMPT_BYTES)
         )
+        from config.models import CATALOG
+
+        catalog = CATALOG.get(get("MODEL_NAME"))
         core = cls(
             engine,
             config,
             chat_template=get("CHAT_TEMPLATE") or "",
+            default_system=overrides.get("default_system", catalog.default_system_prompt
+                                         if catalog else ""),
             max_prompt_bytes=max_prompt_bytes,
             embeddings=bool(overrides.get("embeddings", getattr(settings, "EMBEDDINGS", True))),
             embeddings_tenant_tokens=int(overrides.get(
@@ -386,6 +395,7 @@ class InferenceCore:
         keep_tokens: bool = False,
         adapter: dict[str, Any] | None = None,
         route: str | None = None,
+        tools: dict[str, Any] | None = None,
     ) -> int:
         """Tokenize and queue a completion (``prompt``: text or token ids) or a chat
         (``messages``: ``[{"role", "content"}]``); returns the prompt's token count. Its
@@ -403,7 +413,9 @@ class InferenceCore:
         conversation's tokens (a session's turn). ``adapter``: the job's LoRA adapter
         (``wire.protocol.Job.adapter``), loaded here if it is not (core/adapters.py); its
         tag is part of the cache scope; ``route``: its affinity chain's head (kept in the
-        summary while the adapter stays loaded)."""
+        summary while the adapter stays loaded). ``tools``: a chat's tools for this model's
+        template (``job_input.tool_spec``): rendered by the template, the reply's grammar
+        in its tool-call format (``chat.tool_grammar``) from the call's JSON schema."""
         _check_choices(n, prompt, messages, prompts, continuation)
         now = arrival = time.monotonic()
         if since is not None:  # a continued request's clock starts when it was first queued
@@ -422,6 +434,11 @@ class InferenceCore:
             cache_scope = f"{cache_scope}{SCOPE_SEP}{protocol.adapter_tag(adapter)}"
         request_id = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
+        if tools is not None:
+            if messages is None or session_prefix is not None or n != 1:
+                raise InvalidParameter("tools", "tools come with a chat of one choice, not "
+                                                "a session's turn")
+            params = self._tool_params(params, tools)
         if prompts is not None:
             each = self._prompt_list_tokens(prompts)
             batch, n_prompt = [tokens for tokens in each for _ in range(n)], sum(map(len, each))
@@ -431,7 +448,7 @@ class InferenceCore:
                     raise InvalidParameter("n", "a session's turn has one choice")
                 tokens = list(session_prefix) + self.continuation_tokens(prompt, messages)
             else:
-                tokens = self.prompt_tokens(prompt, messages)
+                tokens = self.prompt_tokens(prompt, messages, tools)
             batch, n_prompt = [tokens] * n, len(tokens)
         # the adapter is loaded (off the tick) once the prompt is known to be usable, and
         # held until the scheduler holds the job's requests
@@ -467,13 +484,22 @@ class InferenceCore:
                 self._handles.pop(request.id, None)
             raise
 
-    def prompt_tokens(self, prompt: str | list[int] | None, messages: Any) -> list[int]:
-        """Token ids for a prompt string, a list of token ids, or chat messages."""
+    def prompt_tokens(self, prompt: str | list[int] | None, messages: Any,
+                      tools: dict[str, Any] | None = None) -> list[int]:
+        """Token ids for a prompt string, a list of token ids, or chat messages (with the
+        tools the template renders, ``tools``)."""
         if (prompt is None) == (messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if messages is not None:
             pairs = self._pairs(messages)  # measured before anything renders them
-            return self.engine.tokenize_segments(self.chat.segments(pairs))
+            if tools is None:
+                return self.engine.tokenize_segments(self.chat.segments(pairs))
+            calls = message_calls(messages)
+            self._check_size(sum(_utf8_len(c, "messages") for _, c in pairs) + sum(
+                _utf8_len(c["arguments"], "messages") for each in calls.values() for c in each)
+                + tools["size"], "messages")
+            return self.engine.tokenize_segments(
+                self.chat.segments(pairs, tools["functions"], calls))
         if isinstance(prompt, str):
             self._check_size(_utf8_len(prompt, "prompt"), "prompt")
             return self._tokenize(prompt, "prompt") if prompt else []
@@ -497,6 +523,18 @@ class InferenceCore:
             raise InvalidParameter("prompt", "a session's continued turn is non-empty text")
         self._check_size(_utf8_len(prompt, "prompt"), "prompt")
         return self._tokenize(prompt, "prompt", add_special=False)
+
+    def _tool_params(self, params: SamplingParams, tools: dict[str, Any]) -> SamplingParams:
+        """``params`` whose grammar is the reply's in the template's tool-call format, made
+        from the job's JSON schema of one call (``{"name", "arguments"}``)."""
+        family = self.chat.tools_family
+        if family is None:
+            raise InvalidParameter("tools", "this model's chat template does not render tools")
+        if params.json_schema is None or params.grammar is not None:
+            raise InvalidParameter("tools", "a job with tools has the JSON schema of its call")
+        call = self.engine.schema_grammar(params.json_schema, "tools", ("name", "arguments"))
+        return dataclasses.replace(params, grammar=tool_grammar(family, call, tools["mode"]),
+                                   json_schema=None)
 
     def _pairs(self, messages: Any) -> list[tuple[str, str]]:
         """Chat messages as (role, text) pairs, their text within the size limit."""
@@ -697,6 +735,10 @@ class InferenceCore:
         else:
             self._last_scheduler_snapshot = scheduler
         return {**scheduler, "embeddings": self.embeddings, "loop": loop,
+                # the chat's tool-call format through the template (None: the generic
+                # prompt), the default system prompt (the catalog's): what the web reads
+                "chat_tools": self.chat.tools_family,
+                "default_system_prompt": self.chat.default_system,
                 "adapters": self.adapters.summary(wait_s=SNAPSHOT_LOCK_WAIT_S)}
 
     def loop_state(self) -> dict[str, Any]:

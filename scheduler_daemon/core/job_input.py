@@ -14,7 +14,9 @@ instead of crashing a thread:
   JSON schema, whose bounds are checked once, where they are compiled
   (``llama.engine.LlamaEngine.grammar_for``); here they only have to be a string (a schema: or
   an object);
-- messages and prompts are checked where they are measured and tokenized (``core``).
+- messages and prompts are checked where they are measured and tokenized (``core``);
+- a chat's ``tools`` (for a template that renders them) have their shape: a mode and at
+  most MAX_TOOLS function tools, names of NAME's characters, parameters objects.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 ROUTE = re.compile(rf"[0-9a-f]{{{2 * HASH_BYTES}}}")  # an affinity hash, as hex
 COMPILED_FIELDS = ("grammar", "json_schema")  # bounded by the engine when it compiles them
 KINDS = ("completion", "chat")
+MAX_TOOLS = 64
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_MODES = ("call", "auto")
 
 
 def submit_arguments(job: protocol.Job) -> dict[str, Any]:
@@ -69,7 +74,36 @@ def submit_arguments(job: protocol.Job) -> dict[str, Any]:
         "adapter": adapter_spec(job.adapter),
         # an adapter's jobs' affinity chains start with its head hash (wire/affinity.py)
         "route": _route(job),
+        "tools": tool_spec(job.tools) if chat else None,
     }
+
+
+def tool_spec(raw: Any) -> dict[str, Any] | None:
+    """A chat job's tools: ``{"mode", "functions"}`` (OpenAI function tools) checked for
+    shape, with ``size``: the UTF-8 bytes of their text (counted with the prompt's)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"mode", "functions"} \
+            or raw["mode"] not in TOOL_MODES or not isinstance(raw["functions"], list) \
+            or not 0 < len(raw["functions"]) <= MAX_TOOLS:
+        raise InvalidParameter("tools", f"must be an object of a mode {list(TOOL_MODES)} and "
+                                        f"1 to {MAX_TOOLS} functions")
+    size = 0
+    for i, tool in enumerate(raw["functions"]):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and set(tool) == {"type", "function"}
+                and tool["type"] == "function" and isinstance(function, dict)
+                and set(function) == {"name", "description", "parameters"}
+                and isinstance(function["name"], str) and TOOL_NAME.fullmatch(function["name"])
+                and isinstance(function["description"], str)
+                and isinstance(function["parameters"], dict)):
+            raise InvalidParameter(f"tools[{i}]", "must be a function tool of name, "
+                                                  "description and parameters")
+        try:
+            size += len(json.dumps(function, ensure_ascii=False).encode("utf-8"))
+        except (ValueError, RecursionError):  # a lone surrogate, a nesting too deep
+            raise InvalidParameter(f"tools[{i}]", "is not valid JSON text") from None
+    return {"mode": raw["mode"], "functions": raw["functions"], "size": size}
 
 
 def _route(job: protocol.Job) -> str | None:

@@ -405,26 +405,28 @@ class LlamaEngine:
         if params.grammar is not None:
             return "grammar", check_grammar(params.grammar, "grammar")
         if params.json_schema is not None:
-            try:
-                schema = json.loads(params.json_schema)
-            except (ValueError, RecursionError):
-                raise InvalidParameter("json_schema", "is not valid JSON") from None
-            # the schema's own bounds first: the converter expands maxLength & co. eagerly
-            schema = check_json_schema(schema, "json_schema")
-            try:
-                gbnf = json_schema_to_gbnf(schema)
-            except (
-                Exception
-            ) as exc:  # the converter raises bare exceptions on schemas it cannot express
-                raise InvalidParameter(
-                    "json_schema", f"cannot be turned into a grammar: {exc}"
-                ) from None
-            try:
-                return "json_schema", check_grammar(gbnf, "json_schema")
-            except InvalidParameter as exc:  # a schema can still yield a huge grammar
-                reason = exc.message.removeprefix("json_schema: ")
-                raise InvalidParameter("json_schema", f"its grammar is refused: {reason}") from None
+            return "json_schema", self.schema_grammar(params.json_schema)
         return None
+
+    def schema_grammar(self, json_schema: str, field: str = "json_schema",
+                       first: Sequence[str] = ()) -> str:
+        """The GBNF of a JSON schema (its text), checked like any grammar; properties named
+        in ``first`` come first in their objects (else in their sorted order)."""
+        try:
+            schema = json.loads(json_schema)
+        except (ValueError, RecursionError):
+            raise InvalidParameter(field, "is not valid JSON") from None
+        # the schema's own bounds first: the converter expands maxLength & co. eagerly
+        schema = check_json_schema(schema, field)
+        try:
+            gbnf = json_schema_to_gbnf(schema, list(first) or None)
+        except Exception as exc:  # the converter raises bare exceptions on what it cannot express
+            raise InvalidParameter(field, f"cannot be turned into a grammar: {exc}") from None
+        try:
+            return check_grammar(gbnf, field)
+        except InvalidParameter as exc:  # a schema can still yield a huge grammar
+            reason = exc.message.removeprefix(f"{field}: ")
+            raise InvalidParameter(field, f"its grammar is refused: {reason}") from None
 
     # -- chat templates ------------------------------------------------------------
 
