@@ -1,6 +1,7 @@
 from django.core.management.base import CommandError
 
 from accounts.management.commands._tenant_command import TenantCommand
+from accounts.management.hint import manage_py
 from accounts.models import ApiKey, Tenant
 
 
@@ -13,7 +14,7 @@ class Command(TenantCommand):
         try:
             owner = Tenant.objects.get(slug=slug)
         except Tenant.DoesNotExist:
-            message = f"No tenant {slug!r}. Create it: manage.py create_tenant {slug}"
+            message = f"No tenant {slug!r}. Create it: {manage_py(f'create_tenant {slug}')}"
             raise CommandError(message) from None
         api_key, plaintext = ApiKey.issue(owner, name)
         self.stdout.write(f"API key {api_key.name!r} for tenant {owner.slug} (shown only now):")

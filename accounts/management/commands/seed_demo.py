@@ -5,6 +5,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
+from accounts.management.hint import manage_py
 from accounts.models import ApiKey, Tenant
 
 DEMO_SLUG = "demo"
@@ -23,7 +24,7 @@ class Command(BaseCommand):
         tenant, created = Tenant.objects.get_or_create(slug=DEMO_SLUG, defaults={"name": "Demo"})
         if not created:
             self.stdout.write(
-                f"Demo tenant exists. Another key: python manage.py create_api_key {DEMO_SLUG}"
+                f"Demo tenant exists. Another key: {manage_py(f'create_api_key {DEMO_SLUG}')}"
             )
             return
         _, plaintext = ApiKey.issue(tenant, "demo")
@@ -34,7 +35,7 @@ class Command(BaseCommand):
         if users.filter(is_superuser=True).exists():
             self.stdout.write(
                 "Admin superuser exists. New password: "
-                f"python manage.py changepassword {ADMIN_USERNAME}"
+                f"{manage_py(f'changepassword {ADMIN_USERNAME}')}"
             )
             return
         password = secrets.token_urlsafe(12)
