@@ -35,7 +35,8 @@ if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured(
             "SECRET_KEY must be set when DEBUG is off "
-            "(e.g. SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))'))"
+            "(e.g. SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))')); "
+            "on a laptop, `make run` (or DEBUG=true) uses a generated .secret_key"
         )
     SECRET_KEY = local_secret_key(BASE_DIR / ".secret_key")
 
