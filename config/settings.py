@@ -424,3 +424,7 @@ LOGGING = {
     # Replace Django's own console handler, which would print each record a second time.
     "loggers": {"django": {"handlers": [], "level": LOG_LEVEL, "propagate": True}},
 }
+
+# /v1/responses: a response made with store (the default) is kept this many days for GET
+# /v1/responses/<id> and previous_response_id, then deleted (docs/api.md, Responses).
+RESPONSES_RETENTION_DAYS = env_int("RESPONSES_RETENTION_DAYS", 30)

@@ -143,3 +143,39 @@ def is_adapter_scale(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return MIN_ADAPTER_SCALE < value <= MAX_ADAPTER_SCALE  # NaN fails both; inf the second
+
+
+class StoredResponseQuerySet(models.QuerySet):
+    def for_tenant(self, tenant_id: int) -> "StoredResponseQuerySet":
+        """One tenant's stored responses that have not expired: the only way views reach
+        them."""
+        return self.filter(tenant_id=tenant_id, expires__gt=timezone.now())
+
+
+class StoredResponse(models.Model):
+    """A ``/v1/responses`` response kept (``store``: true) for ``GET /v1/responses/<id>`` and
+    ``previous_response_id`` until ``expires`` (RESPONSES_RETENTION_DAYS). Unlike a history
+    row it holds text: the conversation to continue (as OpenAI keeps it), written and read by
+    inference/responses_store.py only. JSON as text: PostgreSQL's jsonb cannot hold NUL."""
+
+    id = models.CharField(primary_key=True, max_length=40, editable=False,
+                          help_text="resp_<the request's id>")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="stored_responses")
+    request_id = models.UUIDField(help_text="its history row (InferenceRequest)")
+    model = models.CharField(max_length=200)
+    conversation = models.TextField(
+        help_text="JSON: the chat messages so far, this response's output included "
+                  "(its instructions are not: they do not carry over)")
+    response = models.TextField(help_text="JSON: the Response object as answered")
+    created = models.DateTimeField(default=timezone.now)
+    expires = models.DateTimeField()
+
+    objects = StoredResponseQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["tenant", "expires"])]
+
+    def __str__(self) -> str:
+        return self.id

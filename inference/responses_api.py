@@ -1,19 +1,149 @@
 """POST /v1/responses, GET and DELETE /v1/responses/<id> (OpenAI's Responses API).
 
-Being built (issue 37): the routes exist, the views answer 404 until then."""
+A Responses body becomes a chat request (inference/responses_request.py) and runs as one:
+``service.submit`` (or an Idempotency-Key's ``idempotency.submit``), ``service.collect`` or
+``service.events``: the admission, limits, history, cancel, resume and failure rules are
+chat's. Its events become a Response object or typed SSE events
+(inference/responses_format.py); with ``store`` (the default) the response and its
+conversation are kept (inference/responses_store.py) for GET and ``previous_response_id``.
+"""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
 from adrf.views import APIView
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import JsonResponse, StreamingHttpResponse
+from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 
+from inference import db, idempotency, responses_request, responses_store, service
+from inference.broker import StreamEvent
 from inference.errors import ApiError
+from inference.openai_format import KEEPALIVE_FRAME, OPEN_FRAME
+from inference.openai_request import load_json
+from inference.openapi import IDEMPOTENCY_KEY, REQUEST_ID, RETRY_AFTER, SSE, error_responses
+from inference.responses_format import Output, ResponseFormatter, frame
+from inference.responses_openapi import (
+    DeletedResponseSerializer,
+    ResponseRequestSerializer,
+    ResponseSerializer,
+)
+from wire import protocol
+
+SSE_MEDIA_TYPE = "text/event-stream"
+IDEMPOTENCY_KIND = "responses"  # a key's body digest names the endpoint
+
+Keep = Callable[[Output, dict[str, Any]], Awaitable[None]]
 
 
 class ResponsesView(APIView):
-    async def post(self, request: Request) -> None:
-        raise ApiError("not_found", "/v1/responses is not served yet")
+    """POST /v1/responses: a Response, or its typed events as SSE with ``stream: true``."""
+
+    @extend_schema(
+        operation_id="responses_create", summary="Create a model response (OpenAI Responses)",
+        description="``stream: true`` answers with typed server-sent events "
+                    "(``response.created`` ... ``response.completed``).",
+        tags=["responses"], request=ResponseRequestSerializer,
+        parameters=[IDEMPOTENCY_KEY, REQUEST_ID, RETRY_AFTER],
+        responses={(200, "application/json"): ResponseSerializer, (200, SSE_MEDIA_TYPE): SSE,
+                   **error_responses(400, 401, 404, 405, 409, 429, 500, 503, 504)})
+    async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
+        body = _json_body(request)
+        call = responses_request.read(body)
+        tenant_id = request.auth.tenant_id
+        earlier: list[dict[str, Any]] = []
+        if call.previous_response_id is not None:
+            earlier = await db.run(responses_store.conversation, tenant_id,
+                                   call.previous_response_id)
+        parsed = responses_request.parse(call, earlier)
+        key = idempotency.key_digest(request.headers)
+        if key is None:
+            submission = await service.submit(request.auth, parsed)
+        else:  # a retry of the key's request gets that request (a Replay), not a new one
+            submission = await idempotency.submit(
+                request.auth, parsed, key, idempotency.body_digest(IDEMPOTENCY_KIND, body))
+        formatter = ResponseFormatter(submission.request_id, parsed.shown_model,
+                                      submission.created, call, parsed.params,
+                                      parsed.tool_plan)
+
+        async def keep(output: Output, response: dict[str, Any]) -> None:
+            if call.store:
+                await db.run(responses_store.save, tenant_id, formatter.id,
+                             submission.request_id, parsed.shown_model,
+                             [*earlier, *call.input, *output.messages], response)
+
+        replay = submission if isinstance(submission, idempotency.Replay) else None
+        if parsed.stream:
+            events = replay.events() if replay else service.events(submission)
+            reply = StreamingHttpResponse(_sse(formatter, events, keep),
+                                          content_type=SSE_MEDIA_TYPE)
+            reply["Cache-Control"] = "no-cache"
+            reply["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
+        else:
+            collected = await (replay.collect() if replay else service.collect(submission))
+            response, output = formatter.whole(collected.text, collected.final)
+            await keep(output, response)
+            reply = JsonResponse(response)
+        reply["X-Request-Id"] = submission.request_id
+        return reply
+
+
+def _detail_schema(operation: str, summary: str, serializer: type) -> Any:
+    return extend_schema(operation_id=operation, summary=summary, tags=["responses"],
+                         responses={200: serializer,
+                                    **error_responses(401, 404, 405, 429, 503)})
 
 
 class ResponseDetailView(APIView):
-    async def get(self, request: Request, response_id: str) -> None:
-        raise ApiError("not_found", "/v1/responses is not served yet")
+    """GET or DELETE /v1/responses/<id>: one of the tenant's stored responses; another
+    tenant's, an unknown or an expired one is 404 ``not_found``."""
+
+    @_detail_schema("responses_retrieve", "A stored response", ResponseSerializer)
+    async def get(self, request: Request, response_id: str) -> JsonResponse:
+        return JsonResponse(await db.run(responses_store.retrieve, request.auth.tenant_id,
+                                         response_id))
+
+    @_detail_schema("responses_destroy", "Delete a stored response",
+                    DeletedResponseSerializer)
+    async def delete(self, request: Request, response_id: str) -> JsonResponse:
+        await db.run(responses_store.delete, request.auth.tenant_id, response_id)
+        return JsonResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _json_body(request: Request) -> Any:
+    """The body as JSON whatever its Content-Type; every way it can be wrong is a 400."""
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        raise ApiError("request_too_large", f"The request body is larger than {limit} bytes.",
+                       limit_bytes=limit) from None
+    return load_json(raw)
+
+
+async def _sse(formatter: ResponseFormatter, events: AsyncIterator[StreamEvent | None],
+               keep: Keep) -> AsyncIterator[bytes]:
+    """The typed events, one write per protocol event; a stored response is saved before
+    its ``response.completed`` goes out. A client that goes away mid-stream leaves its
+    request to be resumed (``/v1/requests/<id>/events``) within the grace, as on chat."""
+    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
+    idle = 0
+    async with aclosing(events) as stream, service.CancelIfAbandoned(formatter.request_id):
+        yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
+        async for event in stream:
+            if event is None:
+                idle += 1
+                if idle % every == 0:
+                    yield KEEPALIVE_FRAME
+                continue
+            idle = 0
+            typed = formatter.events(event)
+            if formatter.finished is not None and event.kind == protocol.DONE:
+                await keep(formatter.finished, typed[-1]["response"])
+            frames = b"".join(frame(event.entry_id, item) for item in typed)
+            if frames:
+                yield frames
