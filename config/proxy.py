@@ -157,13 +157,46 @@ def _error(code: str, message: str) -> tuple[int, str]:
     return status, _quoted(body)
 
 
-def _refusal(code: str, message: str, indent: str = "        ") -> str:
-    status, body = _error(code, message)
+def _refusal(code: str, message: str, indent: str = "        ",
+             shape: str = "openai") -> str:
+    status, body = (_anthropic_error if shape == ANTHROPIC else _error)(code, message)
     return f"{indent}return {status} {body};"
+
+
+# /v1/messages (Anthropic's Messages API) answers errors in Anthropic's shape, the door's too:
+# {"type": "error", "error": {"type", "message", "code"}} (inference/anthropic_format.py,
+# whose error_type this table follows: tests/test_messages_door.py)
+ANTHROPIC = "anthropic"
+ANTHROPIC_PATHS = "/v1/messages"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   504: "timeout_error"}
+
+
+def anthropic_type(status: int, code: str) -> str:
+    """Anthropic's error type of one of the door's refusals."""
+    if code == "request_too_large":
+        return "request_too_large"
+    return ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def _anthropic_error(code: str, message: str) -> tuple[int, str]:
+    if code not in errors.CODES:
+        raise KeyError(f"{code} is not in wire/errors.py's table")
+    status = errors.status_of(code)
+    if code == "request_too_large":
+        status = 413  # nginx's own status for it (daphne's is 400)
+    body = json.dumps({"type": "error", "error": {"type": anthropic_type(status, code),
+                                                  "message": message, "code": code}},
+                      separators=(",", ":"))
+    return status, _quoted(body)
 
 
 # nginx's own refusals, each a named location answering in the API's shape.
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
+ANTHROPIC_NO_KEY = ("You didn't provide an API key. Send it as 'x-api-key: sk-...' or "
+                    "'Authorization: Bearer sk-...'.")
 BAD_KEY = "Incorrect API key provided."
 REFUSALS = {
     "too_large": ("request_too_large", "The request body is larger than this server "
@@ -185,28 +218,34 @@ REFUSALS = {
 RATE_REFUSAL_STATUS = 430
 
 
-def _named_locations(cfg: ProxyConfig) -> str:
+def _named_locations(cfg: ProxyConfig, shape: str = "openai") -> str:
+    """The refusals' named locations: ``@too_large``..., or (``shape`` ANTHROPIC) the same
+    in Anthropic's shape as ``@anthropic_too_large``..."""
+    prefix = "anthropic_" if shape == ANTHROPIC else ""
+    error = _anthropic_error if shape == ANTHROPIC else _error
     blocks = []
     for name, (code, message) in REFUSALS.items():
         text = message.format(limit=cfg.max_body_bytes)
         retry = ('        add_header Retry-After 1 always;\n'
                  if name in ("too_many", "too_fast", "unavailable") else "")
-        blocks.append(f"    location @{name} {{\n        default_type application/json;\n"
-                      f"{retry}{_refusal(code, text)}\n    }}\n")
-    throttled_status, throttled = _error("auth_throttled", "Too many failed authentications "
-                                         "from this address; try again later.")
+        blocks.append(f"    location @{prefix}{name} {{\n"
+                      "        default_type application/json;\n"
+                      f"{retry}{_refusal(code, text, shape=shape)}\n    }}\n")
+    throttled_status, throttled = error("auth_throttled", "Too many failed authentications "
+                                        "from this address; try again later.")
+    no_key = ANTHROPIC_NO_KEY if shape == ANTHROPIC else NO_KEY
     blocks.append(
         "    # the key check refused: 401 (no usable key) or 403 (this address is throttled)\n"
-        "    location @key_refused {\n"
+        f"    location @{prefix}key_refused {{\n"
         "        default_type application/json;\n"
         "        if ($key_refusal = auth_throttled) {\n"
         "            add_header Retry-After $key_retry_after always;\n"
         f"            return {throttled_status} {throttled};\n"
         "        }\n"
         "        if ($presented_key = \"\") {\n"
-        f"{_refusal('invalid_api_key', NO_KEY, ' ' * 12)}\n"
+        f"{_refusal('invalid_api_key', no_key, ' ' * 12, shape)}\n"
         "        }\n"
-        f"{_refusal('invalid_api_key', BAD_KEY)}\n"
+        f"{_refusal('invalid_api_key', BAD_KEY, shape=shape)}\n"
         "    }\n")
     return "".join(blocks)
 
@@ -221,15 +260,19 @@ FORWARDED = "".join(f"        proxy_set_header {line};\n" for line in (
     'Daphne-Root-Path ""',
 ))
 # nginx's own refusals in the API's shape (repeated where a location adds error pages).
-ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
-    "413 = @too_large",
-    "408 = @timeout",
-    "429 = @too_many",
-    "502 504 = @unavailable",
-    "400 411 414 494 501 = @bad_request",
-    "405 = @not_allowed",
-    f"{RATE_REFUSAL_STATUS} = @too_fast",
-))
+def _error_pages(prefix: str = "") -> str:
+    return "".join(f"        error_page {line};\n" for line in (
+        f"413 = @{prefix}too_large",
+        f"408 = @{prefix}timeout",
+        f"429 = @{prefix}too_many",
+        f"502 504 = @{prefix}unavailable",
+        f"400 411 414 494 501 = @{prefix}bad_request",
+        f"405 = @{prefix}not_allowed",
+        f"{RATE_REFUSAL_STATUS} = @{prefix}too_fast",
+    ))
+
+
+ERROR_PAGES = _error_pages()
 
 
 def _indent(block: str) -> str:
@@ -405,13 +448,21 @@ http {{
             # (error_page here replaces the server's: all of them again)
 {_indent(ERROR_PAGES)}            error_page 401 403 = @key_refused;
 {_proxied(True)}        }}
+        # Anthropic's Messages API: the same, its refusals in Anthropic's shape
+        location {ANTHROPIC_PATHS} {{
+            limit_req zone=per_key burst={cfg.request_burst} delay={delay};
+            auth_request /_key_check;
+            auth_request_set $key_refusal $upstream_http_x_refusal;
+            auth_request_set $key_retry_after $upstream_http_retry_after;
+{_indent(_error_pages("anthropic_"))}            error_page 401 403 = @anthropic_key_refused;
+{_proxied(True)}        }}
         # websockets: the key is checked by the consumer (header or first message)
         location /ws/ {{
 {_proxied(True)}        }}
         # the site: admin, playground, static files
         location / {{
 {_proxied(False)}        }}
-{_named_locations(cfg)}    }}
+{_named_locations(cfg)}{_named_locations(cfg, ANTHROPIC)}    }}
 }}
 """
 

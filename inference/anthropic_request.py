@@ -34,10 +34,13 @@ CACHE_TTLS = ("5m", "1h")
 _FIELDS = {
     MESSAGES: {"model", "max_tokens", "messages", "system", "tools", "tool_choice",
                "stop_sequences", "temperature", "top_p", "top_k", "stream", "metadata",
-               "cache_control", "thinking", "service_tier"},
+               "cache_control", "thinking", "service_tier", "output_config", "speed",
+               "inference_geo", "diagnostics", "container", "user_profile_id",
+               "workspace_id"},
     COUNT_TOKENS: {"model", "messages", "system", "tools", "tool_choice", "cache_control",
-                   "thinking"},
+                   "thinking", "output_config"},
 }
+EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
 _TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type", "strict"}
 _CHOICE_TYPES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -81,10 +84,56 @@ def translate(kind: str, body: Any) -> Translated:
         stream = _flag(body, "stream")
         _sampling(body, chat)
         _metadata(body.get("metadata"), chat)
-        tier = body.get("service_tier")
-        if tier is not None and tier not in ("auto", "standard_only"):
-            raise invalid("service_tier", 'service_tier must be "auto" or "standard_only".')
+        _hosting(body)
+    _output_config(body.get("output_config"), chat)
     return Translated(chat, stream, breakpoints.count)
+
+
+def _hosting(body: dict[str, Any]) -> None:
+    """Fields about Anthropic's hosting (tier, speed, region, workspace, diagnostics):
+    checked for their type, and meaning nothing here; a container is refused."""
+    tier = body.get("service_tier")
+    if tier is not None and tier not in ("auto", "standard_only"):
+        raise invalid("service_tier", 'service_tier must be "auto" or "standard_only".')
+    if body.get("speed") not in (None, "standard", "fast"):
+        raise invalid("speed", 'speed must be "standard" or "fast".')
+    for name in ("inference_geo", "user_profile_id", "workspace_id"):
+        if body.get(name) is not None:
+            _text(name, body[name], empty=True)
+    diagnostics = body.get("diagnostics")
+    if diagnostics is not None:
+        if not isinstance(diagnostics, dict):
+            raise invalid("diagnostics", "diagnostics must be an object.")
+        _fields("diagnostics", diagnostics, {"previous_message_id"})
+        if diagnostics.get("previous_message_id") is not None:
+            _text("diagnostics.previous_message_id", diagnostics["previous_message_id"],
+                  empty=True)
+    if body.get("container") is not None:
+        raise invalid("container", "Containers (code execution) are not supported here.",
+                      "unsupported_parameter")
+
+
+def _output_config(value: Any, chat: dict[str, Any]) -> None:
+    """``output_config``: its ``format`` (a JSON schema) as chat's ``response_format``, the
+    grammar the reply follows; ``effort`` is accepted and means nothing here."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("output_config", "output_config must be an object.")
+    _fields("output_config", value, {"effort", "format"})
+    if value.get("effort") not in EFFORTS:
+        raise invalid("output_config.effort", "output_config.effort must be one of low, "
+                                              "medium, high, xhigh, max.")
+    output_format = value.get("format")
+    if output_format is None:
+        return
+    if (not isinstance(output_format, dict) or output_format.get("type") != "json_schema"
+            or not isinstance(output_format.get("schema"), dict)
+            or not set(output_format) <= {"type", "schema"}):
+        raise invalid("output_config.format", 'output_config.format must be {"type": '
+                                              '"json_schema", "schema": {...}}.')
+    chat["response_format"] = {"type": "json_schema",
+                               "json_schema": {"schema": output_format["schema"]}}
 
 
 class _Breakpoints:
@@ -110,7 +159,9 @@ class _Breakpoints:
 def _thinking(value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, dict) and value.get("type") == "disabled" and set(value) == {"type"}:
+    # adaptive: the model decides whether to think, and these models do not
+    if isinstance(value, dict) and value.get("type") in ("disabled", "adaptive") \
+            and set(value) <= {"type", "display"}:
         return
     raise invalid("thinking", 'Extended thinking is not supported here; send {"type": '
                               '"disabled"} or leave thinking out.', "unsupported_parameter")
@@ -290,8 +341,14 @@ def _assistant_turn(where: str, content: Any,
 
 
 def _tool_use(where: str, block: dict[str, Any], breakpoints: _Breakpoints) -> dict[str, Any]:
-    _fields(where, block, {"type", "id", "name", "input", "cache_control"})
+    # caller and toolset_name: what the SDK's ToolUseBlock sends back (a direct call only)
+    _fields(where, block, {"type", "id", "name", "input", "cache_control", "caller",
+                           "toolset_name"})
     breakpoints.check(f"{where}.cache_control", block.get("cache_control"))
+    if block.get("caller") not in (None, {"type": "direct"}) or block.get(
+            "toolset_name") is not None:
+        raise invalid(f"{where}.caller", "Only direct tool calls are supported here.",
+                      "unsupported_parameter")
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not TOOL_USE_ID.fullmatch(call_id):
         raise invalid(f"{where}.id", f"{where}.id must be 1 to 256 letters, digits, _ or -.")
@@ -438,6 +495,7 @@ def rename(error: ApiError) -> ApiError:
 
 _RENAMES = (
     (re.compile(r"^stop$"), "stop_sequences"),
+    (re.compile(r"^response_format"), "output_config.format"),
     (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
     (re.compile(r"^tools\[(\d+)\]\.function\.(name|description)"), r"tools[\1].\2"),
     (re.compile(r"^tools\[(\d+)\]\.function$"), r"tools[\1]"),
