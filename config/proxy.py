@@ -218,25 +218,30 @@ REFUSALS = {
 RATE_REFUSAL_STATUS = 430
 
 
-def _named_locations(cfg: ProxyConfig, shape: str = "openai") -> str:
-    """The refusals' named locations: ``@too_large``..., or (``shape`` ANTHROPIC) the same
-    in Anthropic's shape as ``@anthropic_too_large``..."""
-    prefix = "anthropic_" if shape == ANTHROPIC else ""
-    error = _anthropic_error if shape == ANTHROPIC else _error
+def _named_locations(cfg: ProxyConfig) -> str:
     blocks = []
     for name, (code, message) in REFUSALS.items():
         text = message.format(limit=cfg.max_body_bytes)
         retry = ('        add_header Retry-After 1 always;\n'
                  if name in ("too_many", "too_fast", "unavailable") else "")
-        blocks.append(f"    location @{prefix}{name} {{\n"
-                      "        default_type application/json;\n"
-                      f"{retry}{_refusal(code, text, shape=shape)}\n    }}\n")
+        # /v1/messages gets the refusal in Anthropic's shape (also one made before a
+        # location is chosen: TRACE's 405, a bad head)
+        messages = (f'        if ($uri ~ "^{ANTHROPIC_PATHS}") {{\n'
+                    f"{_refusal(code, text, ' ' * 12, ANTHROPIC)}\n        }}\n")
+        blocks.append(f"    location @{name} {{\n        default_type application/json;\n"
+                      f"{retry}{messages}{_refusal(code, text)}\n    }}\n")
+    return "".join(blocks) + _key_refused() + _key_refused(ANTHROPIC)
+
+
+def _key_refused(shape: str = "openai") -> str:
+    """The key check refused: 401 (no usable key) or 403 (this address is throttled), as
+    ``@key_refused`` or, in Anthropic's shape, ``@anthropic_key_refused``."""
+    error = _anthropic_error if shape == ANTHROPIC else _error
     throttled_status, throttled = error("auth_throttled", "Too many failed authentications "
                                         "from this address; try again later.")
     no_key = ANTHROPIC_NO_KEY if shape == ANTHROPIC else NO_KEY
-    blocks.append(
-        "    # the key check refused: 401 (no usable key) or 403 (this address is throttled)\n"
-        f"    location @{prefix}key_refused {{\n"
+    return (
+        f"    location @{'anthropic_' if shape == ANTHROPIC else ''}key_refused {{\n"
         "        default_type application/json;\n"
         "        if ($key_refusal = auth_throttled) {\n"
         "            add_header Retry-After $key_retry_after always;\n"
@@ -247,7 +252,6 @@ def _named_locations(cfg: ProxyConfig, shape: str = "openai") -> str:
         "        }\n"
         f"{_refusal('invalid_api_key', BAD_KEY, shape=shape)}\n"
         "    }\n")
-    return "".join(blocks)
 
 
 # Request headers daphne gets (a location that sets any proxy_set_header of its own loses
@@ -260,19 +264,15 @@ FORWARDED = "".join(f"        proxy_set_header {line};\n" for line in (
     'Daphne-Root-Path ""',
 ))
 # nginx's own refusals in the API's shape (repeated where a location adds error pages).
-def _error_pages(prefix: str = "") -> str:
-    return "".join(f"        error_page {line};\n" for line in (
-        f"413 = @{prefix}too_large",
-        f"408 = @{prefix}timeout",
-        f"429 = @{prefix}too_many",
-        f"502 504 = @{prefix}unavailable",
-        f"400 411 414 494 501 = @{prefix}bad_request",
-        f"405 = @{prefix}not_allowed",
-        f"{RATE_REFUSAL_STATUS} = @{prefix}too_fast",
-    ))
-
-
-ERROR_PAGES = _error_pages()
+ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
+    "413 = @too_large",
+    "408 = @timeout",
+    "429 = @too_many",
+    "502 504 = @unavailable",
+    "400 411 414 494 501 = @bad_request",
+    "405 = @not_allowed",
+    f"{RATE_REFUSAL_STATUS} = @too_fast",
+))
 
 
 def _indent(block: str) -> str:
@@ -448,13 +448,14 @@ http {{
             # (error_page here replaces the server's: all of them again)
 {_indent(ERROR_PAGES)}            error_page 401 403 = @key_refused;
 {_proxied(True)}        }}
-        # Anthropic's Messages API: the same, its refusals in Anthropic's shape
+        # Anthropic's Messages API: the same, its key refused in Anthropic's shape (the
+        # named locations answer it in that shape too)
         location {ANTHROPIC_PATHS} {{
             limit_req zone=per_key burst={cfg.request_burst} delay={delay};
             auth_request /_key_check;
             auth_request_set $key_refusal $upstream_http_x_refusal;
             auth_request_set $key_retry_after $upstream_http_retry_after;
-{_indent(_error_pages("anthropic_"))}            error_page 401 403 = @anthropic_key_refused;
+{_indent(ERROR_PAGES)}            error_page 401 403 = @anthropic_key_refused;
 {_proxied(True)}        }}
         # websockets: the key is checked by the consumer (header or first message)
         location /ws/ {{
@@ -462,7 +463,7 @@ http {{
         # the site: admin, playground, static files
         location / {{
 {_proxied(False)}        }}
-{_named_locations(cfg)}{_named_locations(cfg, ANTHROPIC)}    }}
+{_named_locations(cfg)}    }}
 }}
 """
 

@@ -235,3 +235,11 @@ def test_bad_bodies_are_400_in_anthropics_shape(parties, data, param):
 def test_a_wrong_method_is_405_in_anthropics_shape(parties):
     reply = Client().get("/v1/messages", HTTP_X_API_KEY=parties.owner)
     assert_anthropic_error(reply, 405, "invalid_request_error")
+
+
+def test_the_doors_error_types_are_the_apis():
+    from config import proxy
+    from wire.errors import CODES
+
+    for code, entry in CODES.items():
+        assert proxy.anthropic_type(entry.status, code) == error_type(entry.status, code), code
