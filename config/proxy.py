@@ -164,8 +164,8 @@ def _refusal(code: str, message: str, indent: str = "        ",
 
 
 # /v1/messages (Anthropic's Messages API) answers errors in Anthropic's shape, the door's too:
-# {"type": "error", "error": {"type", "message", "code"}} (inference/anthropic_format.py,
-# whose error_type this table follows: tests/test_messages_door.py)
+# {"type": "error", "error": {"type", "message", "code", "param"}} (inference/anthropic_format.py,
+# whose error_type this table follows: tests/test_messages_request.py)
 ANTHROPIC = "anthropic"
 ANTHROPIC_PATHS = "/v1/messages"
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -188,7 +188,8 @@ def _anthropic_error(code: str, message: str) -> tuple[int, str]:
     if code == "request_too_large":
         status = 413  # nginx's own status for it (daphne's is 400)
     body = json.dumps({"type": "error", "error": {"type": anthropic_type(status, code),
-                                                  "message": message, "code": code}},
+                                                  "message": message, "code": code,
+                                                  "param": None}},
                       separators=(",", ":"))
     return status, _quoted(body)
 
