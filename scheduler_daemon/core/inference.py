@@ -245,7 +245,8 @@ class InferenceCore:
         )
         from config.models import CATALOG
 
-        catalog = CATALOG.get(get("MODEL_NAME"))
+        # the catalog's model, not a benchmark's stand-in for it
+        catalog = None if get("ENGINE_STANDIN") else CATALOG.get(get("MODEL_NAME"))
         core = cls(
             engine,
             config,

@@ -405,28 +405,14 @@ class LlamaEngine:
         if params.grammar is not None:
             return "grammar", check_grammar(params.grammar, "grammar")
         if params.json_schema is not None:
-            return "json_schema", self.schema_grammar(params.json_schema)
+            return "json_schema", schema_grammar(params.json_schema)
         return None
 
     def schema_grammar(self, json_schema: str, field: str = "json_schema",
                        first: Sequence[str] = ()) -> str:
         """The GBNF of a JSON schema (its text), checked like any grammar; properties named
         in ``first`` come first in their objects (else in their sorted order)."""
-        try:
-            schema = json.loads(json_schema)
-        except (ValueError, RecursionError):
-            raise InvalidParameter(field, "is not valid JSON") from None
-        # the schema's own bounds first: the converter expands maxLength & co. eagerly
-        schema = check_json_schema(schema, field)
-        try:
-            gbnf = json_schema_to_gbnf(schema, list(first) or None)
-        except Exception as exc:  # the converter raises bare exceptions on what it cannot express
-            raise InvalidParameter(field, f"cannot be turned into a grammar: {exc}") from None
-        try:
-            return check_grammar(gbnf, field)
-        except InvalidParameter as exc:  # a schema can still yield a huge grammar
-            reason = exc.message.removeprefix(f"{field}: ")
-            raise InvalidParameter(field, f"its grammar is refused: {reason}") from None
+        return schema_grammar(json_schema, field, first)
 
     # -- chat templates ------------------------------------------------------------
 
@@ -493,6 +479,26 @@ class LlamaEngine:
         buf = ctypes.create_string_buffer(256)
         n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
         return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+
+def schema_grammar(json_schema: str, field: str = "json_schema", first: Sequence[str] = ()) -> str:
+    """The GBNF of a JSON schema (its text), checked like any grammar; properties named
+    in ``first`` come first in their objects (else in their sorted order)."""
+    try:
+        schema = json.loads(json_schema)
+    except (ValueError, RecursionError):
+        raise InvalidParameter(field, "is not valid JSON") from None
+    # the schema's own bounds first: the converter expands maxLength & co. eagerly
+    schema = check_json_schema(schema, field)
+    try:
+        gbnf = json_schema_to_gbnf(schema, list(first) or None)
+    except Exception as exc:  # the converter raises bare exceptions on what it cannot express
+        raise InvalidParameter(field, f"cannot be turned into a grammar: {exc}") from None
+    try:
+        return check_grammar(gbnf, field)
+    except InvalidParameter as exc:  # a schema can still yield a huge grammar
+        reason = exc.message.removeprefix(f"{field}: ")
+        raise InvalidParameter(field, f"its grammar is refused: {reason}") from None
 
 
 __all__ = ["EngineConfig", "EngineError", "LlamaEngine"]
