@@ -194,7 +194,7 @@ def _anthropic_error(code: str, message: str) -> tuple[int, str]:
     return status, _quoted(body)
 
 
-# nginx's own refusals, each a named location answering in the API's shape.
+# nginx's own refusals, each an internal location answering in the API's shape.
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
 ANTHROPIC_NO_KEY = ("You didn't provide an API key. Send it as 'x-api-key: sk-...' or "
                     "'Authorization: Bearer sk-...'.")
@@ -219,17 +219,26 @@ REFUSALS = {
 RATE_REFUSAL_STATUS = 430
 
 
-def _named_locations(cfg: ProxyConfig) -> str:
+# Where nginx's own refusals are answered: internal locations of their own, not named ones.
+# A request whose path nginx cannot parse (a %00 in it) has no URI, and nginx cannot pass
+# such a request to a named location (it answers 500); an error page with a URI of its own
+# gives it one.
+REFUSAL_PREFIX = "/_door_refusal/"
+
+
+def _refusal_locations(cfg: ProxyConfig) -> str:
     blocks = []
     for name, (code, message) in REFUSALS.items():
         text = message.format(limit=cfg.max_body_bytes)
         retry = ('        add_header Retry-After 1 always;\n'
                  if name in ("too_many", "too_fast", "unavailable") else "")
         # /v1/messages gets the refusal in Anthropic's shape (also one made before a
-        # location is chosen: TRACE's 405, a bad head)
-        messages = (f'        if ($uri ~ "^{ANTHROPIC_PATHS}") {{\n'
+        # location is chosen: TRACE's 405, a bad head). Told by the request line: $uri is
+        # the refusal's own here, and a path nginx could not parse leaves $request_uri empty
+        messages = (f'        if ($request ~ "^[^ ]+ (https?://[^/]*)?{ANTHROPIC_PATHS}") {{\n'
                     f"{_refusal(code, text, ' ' * 12, ANTHROPIC)}\n        }}\n")
-        blocks.append(f"    location @{name} {{\n        default_type application/json;\n"
+        blocks.append(f"    location = {REFUSAL_PREFIX}{name} {{\n        internal;\n"
+                      f"        default_type application/json;\n"
                       f"{retry}{messages}{_refusal(code, text)}\n    }}\n")
     return "".join(blocks) + _key_refused() + _key_refused(ANTHROPIC)
 
@@ -265,14 +274,15 @@ FORWARDED = "".join(f"        proxy_set_header {line};\n" for line in (
     'Daphne-Root-Path ""',
 ))
 # nginx's own refusals in the API's shape (repeated where a location adds error pages).
-ERROR_PAGES = "".join(f"        error_page {line};\n" for line in (
-    "413 = @too_large",
-    "408 = @timeout",
-    "429 = @too_many",
-    "502 504 = @unavailable",
-    "400 411 414 494 501 = @bad_request",
-    "405 = @not_allowed",
-    f"{RATE_REFUSAL_STATUS} = @too_fast",
+ERROR_PAGES = "".join(f"        error_page {codes} = {REFUSAL_PREFIX}{name};\n"
+                      for codes, name in (
+    ("413", "too_large"),
+    ("408", "timeout"),
+    ("429", "too_many"),
+    ("502 504", "unavailable"),
+    ("400 411 414 494 501", "bad_request"),
+    ("405", "not_allowed"),
+    (str(RATE_REFUSAL_STATUS), "too_fast"),
 ))
 
 
@@ -450,7 +460,7 @@ http {{
 {_indent(ERROR_PAGES)}            error_page 401 403 = @key_refused;
 {_proxied(True)}        }}
         # Anthropic's Messages API: the same, its key refused in Anthropic's shape (the
-        # named locations answer it in that shape too)
+        # refusal locations answer it in that shape too)
         location {ANTHROPIC_PATHS} {{
             limit_req zone=per_key burst={cfg.request_burst} delay={delay};
             auth_request /_key_check;
@@ -464,7 +474,7 @@ http {{
         # the site: admin, playground, static files
         location / {{
 {_proxied(False)}        }}
-{_named_locations(cfg)}    }}
+{_refusal_locations(cfg)}    }}
 }}
 """
 

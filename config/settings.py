@@ -213,10 +213,14 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM inference service API",
-    "DESCRIPTION": "OpenAI-compatible completions and chat completions, request history, "
-    "usage. Errors use OpenAI's shape: {\"error\": {message, type, param, code}}.",
+    "DESCRIPTION": "OpenAI-compatible completions, chat completions and responses, "
+    "Anthropic-compatible messages, request history, usage. Errors use OpenAI's shape: "
+    "{\"error\": {message, type, param, code}}; /v1/messages answers Anthropic's "
+    "{\"type\": \"error\", \"error\": {type, message}} (with param and code besides).",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # chat's and the Responses API's tools both have a "type": "function"
+    "ENUM_NAME_OVERRIDES": {"FunctionToolTypeEnum": ["function"]},
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums"],
 }
 

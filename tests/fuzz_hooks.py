@@ -14,9 +14,11 @@ Set by the test through the environment:
   and token ids (out of the vocabulary, huge, negative) meet the live daemon.
 - Every other completion body loses its ``grammar``, ``json_schema``, ``response_format``
   and ``logit_bias`` (random ones are refused; the other half still sends them).
-- ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` above it, up to the
-  context, become it (bounded generation on two cores); larger values are left alone (the
-  refusal path: ``context_length_exceeded``).
+- The Responses and Anthropic Messages bodies (``/v1/responses``, ``/v1/messages``,
+  ``/v1/messages/count_tokens``) are completion bodies here: their ``model`` the same way.
+- ``FUZZ_MAX_TOKENS``: ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``
+  above it, up to the context, become it (bounded generation on two cores); larger values
+  are left alone (the refusal path: ``context_length_exceeded``).
 - A valid ``timeout`` under ``MIN_TIMEOUT_S`` becomes it (a short one is a 504 by design);
   invalid ones (0, negative, not a number) are left: the web must refuse them.
 - ``FUZZ_LOG``: a file that gets one JSON line per call (operation, status, error code), for
@@ -41,7 +43,8 @@ MODEL = os.environ.get("FUZZ_MODEL", "")
 MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "8"))
 N_CTX = int(os.environ.get("N_CTX", "2048"))
 LOG = os.environ.get("FUZZ_LOG")
-COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+               "/v1/messages/count_tokens")
 VOCABULARY = ("/v1/tokenize", "/v1/detokenize", "/v1/embeddings")
 MIN_TIMEOUT_S = 120
 CONSTRAINTS = ("grammar", "json_schema", "response_format", "logit_bias")
@@ -61,7 +64,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         if _turn("constraints"):  # every other call: no free-form constraint fields, whose
             for name in CONSTRAINTS:  # random values are nearly always refused, so that some
                 body.pop(name, None)  # generated requests reach the model
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(name)
             if type(value) is int and MAX_TOKENS < value <= N_CTX:
                 body[name] = MAX_TOKENS

@@ -421,6 +421,30 @@ def test_every_keyed_path_goes_through_the_key_check(web, path):
     assert (reply.status, reply.json()["error"]["code"]) == (401, "invalid_api_key")
 
 
+@pytest.mark.parametrize(("path", "shape"), [
+    ("/v1/requests/%00", "openai"), ("/v1/models/a%00b", "openai"), ("/%00", "openai"),
+    ("/v1/responses/resp_%00", "openai"), ("/v1/messages%00", "anthropic"),
+    ("/v1/messages/%00/x", "anthropic")])
+def test_a_path_nginx_cannot_parse_is_a_400_in_the_endpoints_shape(web, path, shape):
+    """A %00 leaves nginx's request without a URI: its refusal still reaches a location of
+    its own (a named one could not be reached: nginx answered 500)."""
+    sock = connect(web)
+    sock.sendall(head(path, {"Authorization": f"Bearer {web.keys['owner']}",
+                             "Content-Length": "0"}, "GET"))
+    status, _, body = read_reply(sock)
+    assert status == 400, body
+    reply = json.loads(body)
+    if shape == "anthropic":
+        assert (reply["type"], reply["error"]["type"]) == ("error", "invalid_request_error")
+    else:
+        assert reply["error"]["code"] == "invalid_request_error"
+
+
+def test_a_client_cannot_reach_the_refusal_locations(web):
+    reply = web.request("GET", f"{proxy.REFUSAL_PREFIX}too_large")
+    assert reply.status == 404
+
+
 def test_anonymous_paths_stay_open(web):
     assert web.request("GET", "/v1/health").status == 200
     assert web.request("GET", "/v1/openapi.json").status == 200

@@ -29,6 +29,10 @@ PATHS = {
     "/v1/embeddings": {"post"},
     "/v1/tokenize": {"post"},
     "/v1/detokenize": {"post"},
+    "/v1/responses": {"post"},
+    "/v1/responses/{response_id}": {"get", "delete"},
+    "/v1/messages": {"post"},
+    "/v1/messages/count_tokens": {"post"},
 }
 
 
