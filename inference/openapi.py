@@ -19,7 +19,7 @@ from rest_framework import serializers
 from inference import idempotency
 from wire import errors as codes
 from wire import protocol, sampling
-from wire.messages import ROLES
+from wire.messages import MAX_MESSAGES, ROLES
 
 
 class ApiKeyScheme(OpenApiAuthenticationExtension):
@@ -203,7 +203,8 @@ class ToolChoiceField(serializers.JSONField):
 
 
 class ChatCompletionRequestSerializer(CommonRequestSerializer):
-    messages = ChatMessageSerializer(many=True)
+    messages = serializers.ListField(child=ChatMessageSerializer(), min_length=1,
+                                     max_length=MAX_MESSAGES)
     logprobs = serializers.BooleanField(required=False, allow_null=True,
                                         help_text="log probabilities of the chosen tokens")
     top_logprobs = _ranged("logprobs", allow_null=True, help_text=_LOGPROBS_HELP)
