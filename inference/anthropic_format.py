@@ -99,11 +99,13 @@ def content_of(text: str, tool_plan: ToolPlan | None) -> tuple[list[dict[str, An
     if tool_plan is None:
         return ([{"type": "text", "text": text}] if text else []), False
     content, calls = read_reply(text, tool_plan)
+    inputs = [json.loads(call["function"]["arguments"]) for call in calls]
+    if not all(isinstance(value, dict) for value in inputs):  # a tool_use's input is an object
+        content, calls, inputs = text, [], []
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-    for call in calls:
-        function = call["function"]
+    for call, value in zip(calls, inputs, strict=True):
         blocks.append({"type": "tool_use", "id": _tool_use_id(call["id"]),
-                       "name": function["name"], "input": json.loads(function["arguments"])})
+                       "name": call["function"]["name"], "input": value})
     return blocks, bool(calls)
 
 

@@ -392,6 +392,10 @@ def _tools(value: Any, breakpoints: _Breakpoints) -> list[dict[str, Any]] | None
         if schema is None:
             raise invalid(f"{where}.input_schema", f"{where}.input_schema: Field required",
                           "missing_required_parameter")
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            # as Anthropic: a tool_use block's input is an object, so is the schema
+            raise invalid(f"{where}.input_schema", f"{where}.input_schema.type: Input "
+                          "should be 'object'")
         function: dict[str, Any] = {"name": tool.get("name"), "parameters": schema}
         if tool.get("description") is not None:
             function["description"] = tool["description"]

@@ -243,3 +243,34 @@ def test_the_doors_error_types_are_the_apis():
 
     for code, entry in CODES.items():
         assert proxy.anthropic_type(entry.status, code) == error_type(entry.status, code), code
+
+
+# -- review (issue 37): a tool_use block's input is always an object ------------------------------
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "string"}}, {"type": "string"},
+    {"properties": {"city": {"type": "string"}}}])
+def test_an_input_schema_is_an_object_schema(schema):
+    with pytest.raises(ApiError) as refused:
+        translate(MESSAGES, body(tools=[{**WEATHER, "input_schema": schema}]))
+    assert refused.value.status == 400
+    assert refused.value.param == "tools[0].input_schema"
+
+
+@pytest.mark.parametrize("call", [
+    '{"name":"get_weather","parameters":"Paris"}',
+    '{"name":"get_weather","parameters":["Paris"]}',
+    '{"name":"get_weather","parameters":null}'])
+def test_a_call_whose_arguments_are_no_object_is_text_not_a_tool_use(call):
+    tool_plan = plan({"tools": translate(MESSAGES, body(tools=[WEATHER])).chat_body["tools"],
+                      "tool_choice": "required"})
+    whole = MessageFormatter("r", "m", tool_plan).whole(call, done())
+    assert whole["content"] == [{"type": "text", "text": call}]
+    assert whole["stop_reason"] == "end_turn"
+    stream = MessageFormatter("r", "m", tool_plan)
+    blocks = [data["content_block"] for event in (
+        StreamEvent("1-0", protocol.ACCEPTED, {"prompt_tokens": 10}),
+        StreamEvent("1-1", protocol.TOKEN, {"text": call}), done())
+        for name, data in stream.events(event) if name == "content_block_start"]
+    assert [b["type"] for b in blocks] == ["text"]
