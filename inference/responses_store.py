@@ -4,8 +4,8 @@ A response made with ``store`` (the default) is kept RESPONSES_RETENTION_DAYS da
 tenant: its Response object (``GET /v1/responses/<id>``) and its conversation as chat
 messages, this turn's output included (what ``previous_response_id`` continues). Every
 lookup is the tenant's own (``StoredResponse.objects.for_tenant``): another tenant's id, an
-unknown one and an expired one are the same 404. A save also deletes the tenant's expired
-rows. Synchronous: async code calls these through ``inference.db.run``.
+unknown one, an expired one and a deleted one are the same 404. A save also deletes the
+tenant's expired rows. Synchronous: async code calls these through ``inference.db.run``.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from inference.errors import ApiError
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 # conversation's text is at most MAX_PROMPT_BYTES (the chat check every turn passes), JSON's
 # escapes at most 6 bytes per character of it, plus one turn's output.
 MAX_STORED_FACTOR = 8
+DELETED = ""  # a deleted response's conversation and response (no JSON text is empty)
 
 
 def _dumps(value: Any) -> str:
@@ -44,18 +46,27 @@ def save(tenant_id: int, response_id: str, request_id: str, model: str,
     if size > MAX_STORED_FACTOR * settings.MAX_PROMPT_BYTES:
         log.warning("response %s not stored: %d bytes", response_id, size)
         return False
-    StoredResponse.objects.update_or_create(
-        id=response_id, tenant_id=tenant_id,
-        defaults={"request_id": request_id, "model": model, "conversation": kept_conversation,
-                  "response": kept_response, "created": now,
-                  "expires": now + timedelta(days=settings.RESPONSES_RETENTION_DAYS)})
+    fields = {"request_id": request_id, "model": model, "conversation": kept_conversation,
+              "response": kept_response, "created": now,
+              "expires": now + timedelta(days=settings.RESPONSES_RETENTION_DAYS)}
+    rows = StoredResponse.objects.filter(id=response_id, tenant_id=tenant_id)
+    if rows.exclude(response=DELETED).update(**fields):
+        return True
+    if rows.exists():  # deleted: a replay of its request does not bring it back
+        return False
+    try:
+        with transaction.atomic():
+            StoredResponse.objects.create(id=response_id, tenant_id=tenant_id, **fields)
+    except IntegrityError:  # saved meanwhile (a replay beside the original), or deleted
+        return rows.exclude(response=DELETED).update(**fields) > 0
     return True
 
 
 def _row(tenant_id: int, response_id: str, param: str | None) -> StoredResponse:
     row = None
     if RESPONSE_ID.fullmatch(response_id):  # (a NUL in a query is PostgreSQL's error)
-        row = StoredResponse.objects.for_tenant(tenant_id).filter(id=response_id).first()
+        row = StoredResponse.objects.for_tenant(tenant_id).filter(id=response_id).exclude(
+            response=DELETED).first()
     if row is None:
         raise ApiError("not_found", f"No response with id {response_id!r:.80}.", param)
     return row
@@ -73,5 +84,7 @@ def retrieve(tenant_id: int, response_id: str) -> dict[str, Any]:
 
 
 def delete(tenant_id: int, response_id: str) -> None:
-    """Delete a stored response (404 ``not_found``)."""
-    _row(tenant_id, response_id, None).delete()
+    """Delete a stored response (404 ``not_found``): its text goes, its id stays until it
+    expires as a mark that keeps a replay of its request from saving it again."""
+    row = _row(tenant_id, response_id, None)
+    StoredResponse.objects.filter(pk=row.pk).update(conversation=DELETED, response=DELETED)
