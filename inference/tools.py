@@ -236,7 +236,7 @@ def read_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[st
     """(content, tool_calls) of a tools request's output. Text that is not the JSON the
     grammar forces (a reply cut by max_tokens) is content, with no call."""
     if tool_plan.family == "hermes":
-        return _read_hermes(text)
+        return _read_hermes(text, tool_plan.names)
     mode = tool_plan.mode
     try:
         value = json.loads(text)
@@ -253,27 +253,31 @@ def read_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[st
     return (text, []) if call is None else (None, [call])
 
 
-def _read_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _read_hermes(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
     """Hermes/Qwen calls: ``<tool_call>`` ``{"name": ..., "arguments": {...}}``
-    ``</tool_call>`` blocks and nothing else around them; anything else is content."""
-    rest, calls = text.strip(), []
+    ``</tool_call>`` blocks from the reply's first character (where the grammar puts a call;
+    a text reply begins with anything but ``<``) and nothing else after them, each naming one
+    of ``names``; anything else is content. The JSON is read as JSON: a string argument
+    holding ``</tool_call>`` is part of the call."""
+    rest, calls = text, []
     while rest.startswith(_OPEN):
-        end = rest.find(_CLOSE)
-        if end < 0:
-            return text, []
+        body = rest[len(_OPEN):].lstrip()
         try:
-            value = json.loads(rest[len(_OPEN):end])
+            value, end = _JSON.raw_decode(body)
         except (ValueError, RecursionError):
             return text, []
+        after = body[end:].lstrip()
         call = _call(value.get("name"), value.get("arguments")) \
-            if isinstance(value, dict) and "arguments" in value else None
-        if call is None:
+            if isinstance(value, dict) and "arguments" in value \
+            and value.get("name") in names else None
+        if call is None or not after.startswith(_CLOSE):
             return text, []
         calls.append(call)
-        rest = rest[end + len(_CLOSE):].strip()
+        rest = after[len(_CLOSE):].lstrip()
     return (None, calls) if calls and not rest else (text, [])
 
 
+_JSON = json.JSONDecoder()
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 

@@ -164,11 +164,14 @@ class ChatRenderer:
         # an empty content stays empty: a template's ``if message.content`` sees it so
         wrapped = [(role, f"{opening}{content}{closing}" if content else "")
                    for role, content in messages]
-        text = self._render_text(
-            wrapped, tools=None if tools is None else [wrap(t) for t in tools],
-            calls={i: [{"type": "function", "function": {
-                "name": wrap(c["name"]), "arguments": wrap(_arguments(c["arguments"]))}}
-                for c in each] for i, each in (calls or {}).items()})
+        try:
+            text = self._render_text(
+                wrapped, tools=None if tools is None else [wrap(t) for t in tools],
+                calls={i: [{"type": "function", "function": {
+                    "name": wrap(c["name"]), "arguments": wrap(_arguments(c["arguments"]))}}
+                    for c in each] for i, each in (calls or {}).items()})
+        except RecursionError:  # tools nested deeper than the web lets through (a rogue job)
+            raise InvalidParameter("tools", "nest too deeply to render") from None
         pieces: list[tuple[str, bool]] = []
         rest = text
         while rest:
@@ -272,7 +275,22 @@ def _arguments(text: str) -> Any:
         value = json.loads(text)
     except (ValueError, RecursionError):
         return text
-    return value if isinstance(value, dict) else text
+    return value if isinstance(value, dict) and _depth(value) <= MAX_ARGUMENTS_DEPTH else text
+
+
+MAX_ARGUMENTS_DEPTH = 64  # deeper arguments render as their text (the renderer recurses)
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (counted without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                   else item))
+    return deepest
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -291,17 +309,35 @@ def tool_grammar(family: str, call_gbnf: str, mode: str) -> str:
     """The grammar of a reply in ``family``'s format, from the GBNF of one call's JSON
     (``{"name": ..., "arguments": ...}``, llama.cpp's conversion of the job's schema):
     ``mode`` "call": one call; "auto": one call, or text that does not begin with ``<``
-    (the call's first character; a reply that is not a call is free text)."""
+    (the call's first character; a reply that is not a call is free text). The call's
+    ``root`` is renamed as a rule only: a literal ``"root"`` (a tool's name, an enum value)
+    stays what it says; the wrapper's rules take names the call's grammar does not use."""
     if family not in TOOL_FAMILIES:
         raise InvalidParameter("tools", f"no grammar for the tool-call format {family!r}")
-    body = _ROOT_RULE.sub("tool-call-json ::=", call_gbnf, count=1)
-    body = _ROOT_REF.sub("tool-call-json", body)
-    call = r'"<tool_call>\n" tool-call-json "\n</tool_call>"'
+    taken = set(_RULE_DEF.findall(call_gbnf))
+    call_rule, call_json, text_rule = (_fresh(name, taken) for name in
+                                       ("tool-call", "tool-call-json", "tool-text"))
+    body = "".join(call_json if token == "root" else token
+                   for token in _GBNF_TOKEN.findall(call_gbnf))
+    call = rf'"<tool_call>\n" {call_json} "\n</tool_call>"'
     if mode == "auto":
-        return f"root ::= tool-call | tool-text\ntool-call ::= {call}\n" \
-               f"tool-text ::= [^<] [^\\x00]*\n{body}"
+        return f"root ::= {call_rule} | {text_rule}\n{call_rule} ::= {call}\n" \
+               f"{text_rule} ::= [^<] [^\\x00]*\n{body}"
     return f"root ::= {call}\n{body}"
 
 
-_ROOT_RULE = re.compile(r"^root\s*::=", re.MULTILINE)
-_ROOT_REF = re.compile(r"(?<![\w-])root(?![\w-])")
+def _fresh(name: str, taken: set[str]) -> str:
+    """``name``, or ``name`` with a number, unused in ``taken`` (then taken)."""
+    fresh, i = name, 0
+    while fresh in taken:
+        i += 1
+        fresh = f"{name}-{i}"
+    taken.add(fresh)
+    return fresh
+
+
+_RULE_DEF = re.compile(r"^\s*([A-Za-z0-9-]+)\s*::=", re.MULTILINE)
+# GBNF's lexemes, so that a rule name is told from the same letters in a literal, a
+# character class or a comment: each of those is one token, a name another
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|[A-Za-z0-9-]+'
+                         r'|[^"\[#A-Za-z0-9-]+|.', re.DOTALL)

@@ -1,0 +1,95 @@
+"""Tools through the model's own template, the edges: a literal "root" in a call's grammar
+(a tool named so, an enum value), Hermes replies whose JSON holds the markup or that do not
+start where the grammar puts a call, history arguments nested deeper than the renderer
+goes, and the web's read of the daemons' ``chat_tools`` never waiting on Redis inside the
+event loop. Without a daemon; the live path is tests/test_template_tools_e2e.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference import tools
+from scheduler_daemon.core.chat import tool_grammar
+from scheduler_daemon.llama.engine import schema_grammar
+from tests.test_template_tools import WEATHER, hermes
+from wire.errors import InvalidParameter
+from wire.grammar_check import check_grammar
+
+ROOT_TOOL = {"type": "function", "function": {
+    "name": "root", "description": "Acts as the superuser.",
+    "parameters": {"type": "object", "properties": {"as": {"enum": ["root", "user"]}},
+                   "required": ["as"]}}}
+
+
+def call_grammar(plan: tools.ToolPlan) -> str:
+    return schema_grammar(json.dumps(plan.schema), "tools", ("name", "arguments"))
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_literal_root_in_the_call_stays_root(choice):
+    plan = tools.native(tools.plan({"tools": [ROOT_TOOL], "tool_choice": choice}), "hermes")
+    grammar = check_grammar(tool_grammar("hermes", call_grammar(plan), plan.mode), "tools")
+    # the tool's name and the enum value are still what the model must write
+    assert r'"\"root\""' in grammar and '"tool-call-json\\""' not in grammar
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["tool-call-json"].startswith('"{" space name-kv')
+    wrapper = rules["tool-call" if plan.mode == "auto" else "root"]
+    assert wrapper == r'"<tool_call>\n" tool-call-json "\n</tool_call>"'
+
+
+def test_the_wrappers_rules_take_names_the_call_does_not_use():
+    call = 'root ::= tool-call\ntool-call ::= "1"\ntool-text ::= "2"\n'
+    grammar = check_grammar(tool_grammar("hermes", call, "auto"), "tools")
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["tool-call"] == '"1"' and rules["tool-text"] == '"2"'
+    assert rules["root"] == "tool-call-1 | tool-text-1"
+    assert rules["tool-call-json"] == "tool-call"
+
+
+PLAN = tools.native(tools.plan({"tools": [WEATHER]}), "hermes")
+
+
+def test_a_string_argument_holding_the_closing_markup_is_part_of_the_call():
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}'
+             '\n</tool_call>')
+    content, (call,) = tools.read_reply(reply, PLAN)
+    assert content is None
+    assert json.loads(call["function"]["arguments"]) == {"city": "a</tool_call>b"}
+
+
+def test_only_a_reply_that_starts_with_a_call_is_one():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    # auto's text begins with any character but "<": what follows it is not constrained
+    for text in (f" {call}", f"\n{call}", f"Sure.\n{call}"):
+        assert tools.read_reply(text, PLAN) == (text, [])
+    # two calls, whitespace between and after: still calls
+    content, calls = tools.read_reply(f"{call}\n{call}\n", PLAN)
+    assert content is None and len(calls) == 2
+
+
+def test_a_call_naming_a_tool_outside_the_plan_is_content():
+    other = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    assert tools.read_reply(other, PLAN) == (other, [])
+    named = tools.native(tools.plan({"tools": [WEATHER, ROOT_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "root"}}}), "hermes")
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>'
+    assert tools.read_reply(weather, named) == (weather, [])
+
+
+@pytest.mark.parametrize("depth", [65, 600, 990])
+def test_history_arguments_nested_deeply_render_as_their_text(depth):
+    deep = '{"a":' * depth + "1" + "}" * depth
+    text = hermes().render([("user", "hi"), ("assistant", ""), ("tool", "x")], [WEATHER],
+                           {1: [{"name": "get_weather", "arguments": deep}]})
+    assert json.dumps(deep) in text  # the arguments as a string, not an object
+
+
+def test_tools_nested_past_the_recursion_limit_are_refused():
+    deep: dict = {"type": "object"}
+    for _ in range(2000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "f", "description": "",
+                                             "parameters": deep}}
+    with pytest.raises(InvalidParameter):
+        hermes().segments([("user", "hi")], [tool])
