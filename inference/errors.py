@@ -163,21 +163,28 @@ def is_api(request: HttpRequest) -> bool:
     return request.path_info.startswith(settings.API_PREFIX)
 
 
-def _json(error: ApiError) -> JsonResponse:
+def _json(error: ApiError, request: HttpRequest | None = None) -> JsonResponse:
+    """The error in the API's shape; under /v1/messages (Anthropic's Messages API: its
+    unknown sub-paths too) in Anthropic's."""
+    if request is not None and request.path_info.startswith(f"{settings.API_PREFIX}messages"):
+        from inference.anthropic_format import api_error_body  # (it imports this module)
+        return JsonResponse(api_error_body(error), status=error.status)
     return JsonResponse(error.body(), status=error.status)
 
 
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's 400 (a SuspiciousOperation such as a Host not in ALLOWED_HOSTS)."""
     if is_api(request):
-        return _json(ApiError(codes.INVALID_REQUEST_ERROR, "Your request could not be read."))
+        return _json(ApiError(codes.INVALID_REQUEST_ERROR, "Your request could not be read."),
+                     request)
     return defaults.bad_request(request, exception)
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's 404 (and the API's unknown URLs)."""
     if is_api(request):
-        return _json(ApiError("not_found", f"Invalid URL ({request.method} {request.path})"))
+        return _json(ApiError("not_found", f"Invalid URL ({request.method} {request.path})"),
+                     request)
     return defaults.page_not_found(request, exception)
 
 
@@ -185,5 +192,5 @@ def server_error(request: HttpRequest) -> HttpResponse:
     """Django's 500."""
     if is_api(request):
         return _json(ApiError(codes.INTERNAL_ERROR,
-                              "The server had an error processing your request."))
+                              "The server had an error processing your request."), request)
     return defaults.server_error(request)

@@ -115,6 +115,20 @@ def test_an_unexpected_error_in_a_view_is_a_json_500(parties, monkeypatch):
     assert reply.json()["error"]["type"] == "server_error"
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/v1/messages/batches", "/v1/messages/",
+                                  "/v1/messages/count_tokens/x"])
+def test_an_unknown_path_under_messages_is_a_404_in_anthropics_shape(parties, path):
+    from django.test import Client
+    reply = Client().post(path, {}, content_type="application/json",
+                          HTTP_X_API_KEY=parties.owner)
+    assert reply.status_code == 404
+    assert reply.json()["type"] == "error"
+    assert (reply.json()["error"]["type"], reply.json()["error"]["code"]) == (
+        "not_found_error", "not_found")
+    assert Client().post("/v1/nothing", {}).json()["error"]["type"] == "invalid_request_error"
+
+
 def test_the_docs_error_table_names_codes_of_the_table_with_their_statuses():
     """docs/api.md's error table and wire.errors.CODES agree: every code a row names is in
     the table, answered with the row's status (streamed errors arrive as events instead)."""
