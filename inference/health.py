@@ -5,6 +5,8 @@ models are up (``public_health``); with an API key or a staff session it also li
 daemon's state (``health_report``: counts and names, never request ids or cache scopes).
 """
 
+import asyncio
+import json
 import time
 from typing import Any
 
@@ -12,6 +14,7 @@ import redis
 from django.conf import settings
 
 from inference import broker
+from wire import protocol
 
 OWNER = "llm-inference"
 
@@ -117,25 +120,77 @@ def model_list() -> list[dict[str, Any]]:
 
 
 CHAT_TOOLS_MAX_AGE_S = 1.0
+# the first read of a process, made while its request waits (no value to serve yet): this
+# long at most, the event loop stopped meanwhile; every later read runs beside the loop
+CHAT_TOOLS_FIRST_READ_S = 0.25
 _chat_tools: dict[str, str | None] = {}
-_chat_tools_at = [-CHAT_TOOLS_MAX_AGE_S]
+_chat_tools_at = [-CHAT_TOOLS_MAX_AGE_S]  # when the values were read (monotonic)
+_chat_tools_reading: list[asyncio.Task[None]] = []  # the read in flight (a reference kept)
+_quick_clients: dict[str, redis.Redis] = {}
 
 
 def chat_tools(model: str) -> str | None:
     """The tool-call format ``model``'s template renders tools in (``"hermes"``), when every
     live daemon of it says the same; None: tools go through the generic prompt (no daemon
     says one, they disagree, or Redis does not answer). The daemons' snapshots are read at
-    most once a CHAT_TOOLS_MAX_AGE_S per process, by a request with tools."""
-    now = time.monotonic()
-    if now - _chat_tools_at[0] > CHAT_TOOLS_MAX_AGE_S:
+    most once a CHAT_TOOLS_MAX_AGE_S per process, by a request with tools. Inside an event
+    loop (the views, the consumers) a stale value is served while a task reads the next one
+    with the async client: a slow Redis never holds the loop (only a process's very first
+    read waits, CHAT_TOOLS_FIRST_READ_S at most)."""
+    if time.monotonic() - _chat_tools_at[0] > CHAT_TOOLS_MAX_AGE_S:
         try:
-            families = _families(broker.live_daemons_sync())
-        except redis.RedisError:
-            families = {}
-        _chat_tools.clear()
-        _chat_tools.update(families)
-        _chat_tools_at[0] = now
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            _keep_families(broker.live_daemons_sync)
+        elif _chat_tools_at[0] < 0:  # nothing to serve yet
+            _keep_families(_first_read)
+        elif not _chat_tools_reading or _chat_tools_reading[0].done():
+            _chat_tools_reading[:] = [loop.create_task(_read_families())]
     return _chat_tools.get(model)
+
+
+def _keep_families(read: Any) -> None:
+    try:
+        families = _families(read())
+    except redis.RedisError:
+        families = {}
+    _store_families(families)
+
+
+async def _read_families() -> None:
+    try:
+        families = _families(await broker.live_daemons())
+    except Exception:  # Redis away or busy (the pool's own refusal): no family known
+        families = {}
+    _store_families(families)
+
+
+def _store_families(families: dict[str, str | None]) -> None:
+    _chat_tools.clear()
+    _chat_tools.update(families)
+    _chat_tools_at[0] = time.monotonic()
+
+
+def _first_read() -> list[dict[str, Any]]:
+    """The live daemons' snapshots, read with timeouts of CHAT_TOOLS_FIRST_READ_S."""
+    url = settings.REDIS_URL
+    if url not in _quick_clients:
+        _quick_clients[url] = redis.Redis.from_url(
+            url, socket_timeout=CHAT_TOOLS_FIRST_READ_S,
+            socket_connect_timeout=CHAT_TOOLS_FIRST_READ_S)
+    client = _quick_clients[url]
+    ids = client.zrange(protocol.DAEMONS_ZSET, 0, -1)
+    raws = client.mget([protocol.daemon_key(protocol.as_text(i)) for i in ids]) if ids else []
+    snapshots = []
+    for raw in raws:
+        try:
+            if raw:
+                snapshots.append(json.loads(raw))
+        except ValueError:
+            continue
+    return snapshots
 
 
 def _families(snapshots: list[dict[str, Any]]) -> dict[str, str | None]:

@@ -5,14 +5,19 @@ goes, and the web's read of the daemons' ``chat_tools`` never waiting on Redis i
 event loop. Without a daemon; the live path is tests/test_template_tools_e2e.py."""
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 
 import pytest
 
-from inference import tools
+from inference import health, tools
 from scheduler_daemon.core.chat import tool_grammar
 from scheduler_daemon.llama.engine import schema_grammar
 from tests.test_template_tools import WEATHER, hermes
+from wire import protocol
 from wire.errors import InvalidParameter
 from wire.grammar_check import check_grammar
 
@@ -93,3 +98,69 @@ def test_tools_nested_past_the_recursion_limit_are_refused():
                                              "parameters": deep}}
     with pytest.raises(InvalidParameter):
         hermes().segments([("user", "hi")], [tool])
+
+
+# -- the web's read of the daemons' chat_tools -------------------------------------------------
+
+@pytest.fixture
+def blackhole():
+    """A Redis URL whose server takes connections and bytes and never answers; the bytes
+    received so far (a list of chunks)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+    conns: list[socket.socket] = []
+
+    def drain(conn: socket.socket) -> None:
+        while chunk := conn.recv(4096):
+            received.append(chunk)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0", received
+    server.close()
+    for conn in conns:
+        conn.close()
+
+
+@pytest.fixture
+def stale_chat_tools(monkeypatch):
+    """chat_tools' values as a read longer than its max age ago left them."""
+    monkeypatch.setattr(health, "_chat_tools", {"m": "hermes"})
+    monkeypatch.setattr(health, "_chat_tools_at", [
+        time.monotonic() - 2 * health.CHAT_TOOLS_MAX_AGE_S])
+    monkeypatch.setattr(health, "_chat_tools_reading", [], raising=False)
+
+
+def test_a_stale_read_in_the_event_loop_does_not_wait_on_redis(blackhole, stale_chat_tools,
+                                                               settings):
+    settings.REDIS_URL, received = blackhole
+
+    async def request() -> tuple[str | None, int]:
+        family = health.chat_tools("m")  # what a view's parse_request does
+        return family, len(received)  # bytes Redis had got before the call returned
+
+    # the stale value, at once: no command went to the (silent) Redis meanwhile (a read on
+    # the loop waited there the socket timeout, 10 s, and then said generic)
+    assert asyncio.run(request()) == ("hermes", 0)
+
+
+def test_the_read_beside_the_loop_brings_the_daemons_word(stale_chat_tools, redis_client):
+    redis_client.zadd(protocol.DAEMONS_ZSET, {"d-review": time.time()})
+    redis_client.set(protocol.daemon_key("d-review"), json.dumps(
+        {"daemon_id": "d-review", "model": "m", "chat_tools": None}))
+
+    async def requests() -> tuple[str | None, str | None]:
+        first = health.chat_tools("m")
+        await health._chat_tools_reading[0]
+        return first, health.chat_tools("m")
+
+    # the daemon now renders no tools: the next request goes generic
+    assert asyncio.run(requests()) == ("hermes", None)
