@@ -4,8 +4,9 @@ A response made with ``store`` (the default) is kept RESPONSES_RETENTION_DAYS da
 tenant: its Response object (``GET /v1/responses/<id>``) and its conversation as chat
 messages, this turn's output included (what ``previous_response_id`` continues). Every
 lookup is the tenant's own (``StoredResponse.objects.for_tenant``): another tenant's id, an
-unknown one, an expired one and a deleted one are the same 404. A save also deletes the
-tenant's expired rows. Synchronous: async code calls these through ``inference.db.run``.
+unknown one, an expired one and a deleted one are the same 404. A save also deletes up to
+``SWEEP_ROWS`` expired rows, any tenant's. Synchronous: async code calls these through
+``inference.db.run``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ log = logging.getLogger(__name__)
 # escapes at most 6 bytes per character of it, plus one turn's output.
 MAX_STORED_FACTOR = 8
 DELETED = ""  # a deleted response's conversation and response (no JSON text is empty)
+SWEEP_ROWS = 200
+
+
+def sweep(now: Any = None) -> int:
+    """Deletes up to SWEEP_ROWS expired rows (deleted marks included), oldest first; the
+    number deleted. Each save sweeps: the rows expire at the rate they were stored, so the
+    table holds about RESPONSES_RETENTION_DAYS of them."""
+    expired = StoredResponse.objects.filter(expires__lte=now or timezone.now())
+    ids = list(expired.order_by("expires").values_list("pk", flat=True)[:SWEEP_ROWS])
+    return StoredResponse.objects.filter(pk__in=ids).delete()[0] if ids else 0
 
 
 def _dumps(value: Any) -> str:
@@ -40,7 +51,7 @@ def save(tenant_id: int, response_id: str, request_id: str, model: str,
     """Keep a response (again, for a replay: the same row). False when it is over the size
     bound (logged; not kept)."""
     now = timezone.now()
-    StoredResponse.objects.filter(tenant_id=tenant_id, expires__lte=now).delete()
+    sweep(now)
     kept_conversation, kept_response = _dumps(conversation), _dumps(response)
     size = len(kept_conversation.encode()) + len(kept_response.encode())
     if size > MAX_STORED_FACTOR * settings.MAX_PROMPT_BYTES:

@@ -46,3 +46,19 @@ def test_a_response_saved_again_is_updated_and_another_tenants_is_404(parties):
             read(parties.b.pk, rid)
         assert missing.value.status == 404
     assert responses_store.retrieve(parties.a.pk, rid)["id"] == rid
+
+
+def test_a_save_sweeps_every_tenants_expired_rows(parties, settings):
+    """A tenant that stores nothing more still loses its expired rows: each save deletes
+    up to SWEEP_ROWS expired rows, whoever's."""
+    from django.utils import timezone
+
+    from inference.models import StoredResponse
+    old = [str(uuid.uuid4()) for _ in range(3)]
+    for request_id in old:
+        assert _save(parties.b.pk, request_id)
+    StoredResponse.objects.filter(tenant_id=parties.b.pk).update(expires=timezone.now())
+    kept = str(uuid.uuid4())
+    assert _save(parties.a.pk, kept)  # another tenant's save
+    assert not StoredResponse.objects.filter(tenant_id=parties.b.pk).exists()
+    assert StoredResponse.objects.filter(tenant_id=parties.a.pk).count() == 1
