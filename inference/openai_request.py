@@ -96,6 +96,10 @@ class ParsedRequest:
     timeout_s: float | None = None  # the client's ``timeout``, at most REQUEST_TIMEOUT_S
     tool_plan: tools.ToolPlan | None = None  # a chat with tools: how its reply is read
     tools: dict[str, Any] | None = None  # the job's tools, for a template that renders them
+    # what its affinity chain is cut from when the template renders the tools: the messages
+    # as the generic prompt shows them (the tools first, the calls as text), so that jobs
+    # sharing a long tools prefix share their chains as the rendered prompts share it
+    affinity_messages: list[dict[str, Any]] | None = None
     request_id: str | None = None  # set by an Idempotency-Key claim (None: a new uuid)
     retention_s: int | None = None  # its events' retention (None: the protocol's default)
     echo: bool = False  # a completion's prompt text first in its reply
@@ -155,7 +159,8 @@ class ParsedRequest:
         if self.kind not in (protocol.COMPLETION_KIND, protocol.CHAT_KIND):
             return {}
         salt = _tenant_salt(tenant_id)
-        text = affinity.prompt_text(self.prompt, self.messages, self.prompts)
+        text = affinity.prompt_text(self.prompt, self.affinity_messages or self.messages,
+                                    self.prompts)
         chain = affinity.job_chain(salt, text, protocol.adapter_tag(self.adapter))
         return {"affinity": chain or None,
                 "session_hash": affinity.session_hash(salt, self.session) if self.session
@@ -566,12 +571,14 @@ def _with_tools(parsed: ParsedRequest, raw_messages: list[Any]) -> None:
 
     plan, messages = parsed.tool_plan, parsed.messages or []
     family = chat_tools(parsed.model) if plan is not None else None
-    if family in tools.FAMILIES:
+    if plan is not None and family in tools.FAMILIES:
+        generic = plan
         try:
             parsed.tool_plan = plan = tools.native(plan, family)
         except InvalidParameter as exc:
             _refuse(exc)
         parsed.tools = tools.job_tools(plan)
+        parsed.affinity_messages = tools.with_tools(messages, generic)
         parsed.messages = tools.native_messages(raw_messages, messages)
         size = len(json.dumps(parsed.tools, ensure_ascii=False).encode("utf-8")) + sum(
             len(c["arguments"].encode("utf-8")) for m in parsed.messages

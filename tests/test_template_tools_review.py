@@ -164,3 +164,24 @@ def test_the_read_beside_the_loop_brings_the_daemons_word(stale_chat_tools, redi
 
     # the daemon now renders no tools: the next request goes generic
     assert asyncio.run(requests()) == ("hermes", None)
+
+
+# -- the affinity chain of a job whose tools the template renders -------------------------------
+
+def test_jobs_sharing_a_long_tools_prefix_share_their_affinity_chain(monkeypatch):
+    from inference.openai_request import CHAT, parse_request
+
+    monkeypatch.setattr(health, "chat_tools", lambda model: "hermes")
+    tool = {"type": "function", "function": {**WEATHER["function"],
+                                             "description": "The weather. " * 60}}
+
+    def chain(question: str) -> list[str]:
+        parsed = parse_request(CHAT, {"model": "m", "tools": [tool], "messages": [
+            {"role": "user", "content": question + " Tell me all about it." * 30}]})
+        assert parsed.tools is not None  # through the template
+        return parsed._routing("tenant-1")["affinity"]
+
+    paris, rome = chain("Weather in Paris?"), chain("Weather in Rome?")
+    # the rendered prompts share the tools (hundreds of characters) before the question:
+    # their chains share its pieces too, so both go where that prefix is cached
+    assert paris[:2] == rome[:2] and paris != rome
