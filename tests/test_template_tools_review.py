@@ -1,8 +1,9 @@
 """Tools through the model's own template, the edges: a literal "root" in a call's grammar
 (a tool named so, an enum value), Hermes replies whose JSON holds the markup or that do not
 start where the grammar puts a call, history arguments nested deeper than the renderer
-goes, and the web's read of the daemons' ``chat_tools`` never waiting on Redis inside the
-event loop. Without a daemon; the live path is tests/test_template_tools_e2e.py."""
+goes, the web's read of the daemons' ``chat_tools`` never waiting on Redis inside the event
+loop, and the affinity chain of jobs whose tools the template renders. Without a daemon; the
+live path is tests/test_template_tools_e2e.py."""
 from __future__ import annotations
 
 import asyncio
