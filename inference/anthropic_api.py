@@ -16,7 +16,6 @@ from contextlib import aclosing
 from typing import Any
 
 from adrf.views import APIView
-from django.conf import settings
 from django.http import JsonResponse, StreamingHttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
@@ -158,17 +157,12 @@ async def _sse(formatter: MessageFormatter,
     """Anthropic's SSE events, one write per protocol event; ``ping`` after
     SSE_KEEPALIVE_S idle; a client that goes away mid-stream has its request cancelled
     unless it resumes (/v1/requests/<id>/events) within the grace."""
-    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
-    idle = 0
-    async with aclosing(events) as stream, service.CancelIfAbandoned(formatter.request_id):
-        yield PING_FRAME  # the server sends headers with the first body bytes: send them now
+    async with aclosing(service.streamed(formatter.request_id, events, PING_FRAME,
+                                         PING_FRAME)) as stream:
         async for event in stream:
-            if event is None:
-                idle += 1
-                if idle % every == 0:
-                    yield PING_FRAME
+            if isinstance(event, bytes):
+                yield event
                 continue
-            idle = 0
             pairs = formatter.events(event)
             frames = b"".join(
                 sse_event(name, data, event.entry_id if i == len(pairs) - 1 else None)

@@ -251,22 +251,14 @@ async def _sse(formatter: Formatter,
                events: AsyncIterator[StreamEvent | None]) -> AsyncIterator[bytes]:
     """SSE frames, one write per event (its chunks, and ``[DONE]`` after the last, go out
     together); a client that goes away mid-stream has its request cancelled unless it
-    resumes within the grace."""
-    # an idle tick is one empty read (service.BLOCK_MS): a keep-alive after SSE_KEEPALIVE_S
-    # of them in a row
-    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
-    idle, ended = 0, False
-    # the events are closed last: a task cancelled while the guard enters gives back their
-    # reader place (service.ReaderEvents) at once, not when they are collected
-    async with aclosing(events) as stream, service.CancelIfAbandoned(formatter.request_id):
-        yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
+    resumes within the grace (service.streamed)."""
+    ended = False
+    async with aclosing(service.streamed(formatter.request_id, events, OPEN_FRAME,
+                                         KEEPALIVE_FRAME)) as stream:
         async for event in stream:
-            if event is None:
-                idle += 1
-                if idle % every == 0:
-                    yield KEEPALIVE_FRAME
+            if isinstance(event, bytes):
+                yield event
                 continue
-            idle = 0
             frames = b"".join(sse_frame(event.entry_id, payload)
                               for payload in formatter.chunks(event))
             if event.is_terminal:  # the stream ends after it

@@ -43,14 +43,17 @@ _COMMON = {
 } | FIELD_NAMES
 
 
-def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+def none_or(*allowed: Any) -> Callable[[Any], bool]:
+    """The check of a field accepted but not acted on: absent, null, or one of ``allowed``
+    (the values under which ignoring it is right); also used by inference/responses_request."""
     def check(value: Any) -> bool:
         return value is None or any(value == a and type(value) is type(a) for a in allowed)
 
     return check
 
 
-def _anything(value: Any) -> bool:
+def anything(value: Any) -> bool:
+    """The check of a field accepted and ignored whatever its value (metadata-like)."""
     return True
 
 
@@ -60,18 +63,18 @@ def _falsy(value: Any) -> bool:
 
 # OpenAI fields we do not implement but accept while they ask for nothing we would ignore.
 _HARMLESS_CHAT: dict[str, Callable[[Any], bool]] = {
-    "functions": _none_or([]),
-    "function_call": _none_or("none", "auto"),
-    "modalities": _none_or(["text"]),
-    "store": _anything,
-    "metadata": _anything,
-    "service_tier": _anything,
-    "prompt_cache_key": _anything,
-    "safety_identifier": _anything,
+    "functions": none_or([]),
+    "function_call": none_or("none", "auto"),
+    "modalities": none_or(["text"]),
+    "store": anything,
+    "metadata": anything,
+    "service_tier": anything,
+    "prompt_cache_key": anything,
+    "safety_identifier": anything,
 }
 _HARMLESS_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    "best_of": _none_or(1),
-    "suffix": _none_or(""),
+    "best_of": none_or(1),
+    "suffix": none_or(""),
 }
 _KNOWN = {
     CHAT: (_COMMON | {"messages", "top_logprobs", "tools", "tool_choice",

@@ -130,17 +130,12 @@ async def _sse(formatter: ResponseFormatter, events: AsyncIterator[StreamEvent |
     """The typed events, one write per protocol event; a stored response is saved before
     its ``response.completed`` goes out. A client that goes away mid-stream leaves its
     request to be resumed (``/v1/requests/<id>/events``) within the grace, as on chat."""
-    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / service.BLOCK_MS))
-    idle = 0
-    async with aclosing(events) as stream, service.CancelIfAbandoned(formatter.request_id):
-        yield OPEN_FRAME  # the server sends headers with the first body bytes: send them now
+    async with aclosing(service.streamed(formatter.request_id, events, OPEN_FRAME,
+                                         KEEPALIVE_FRAME)) as stream:
         async for event in stream:
-            if event is None:
-                idle += 1
-                if idle % every == 0:
-                    yield KEEPALIVE_FRAME
+            if isinstance(event, bytes):
+                yield event
                 continue
-            idle = 0
             typed = formatter.events(event)
             if formatter.finished is not None and event.kind == protocol.DONE:
                 await keep(formatter.finished, typed[-1]["response"])

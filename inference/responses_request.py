@@ -20,7 +20,7 @@ from typing import Any
 
 from inference import tools
 from inference.errors import ApiError, invalid
-from inference.openai_request import CHAT, ParsedRequest, parse_request
+from inference.openai_request import CHAT, ParsedRequest, anything, none_or, parse_request
 from wire.messages import MAX_MESSAGES
 from wire.sampling import FIELD_NAMES
 
@@ -43,17 +43,6 @@ _KNOWN = {
 } | _EXTRAS
 
 
-def _none_or(*allowed: Any) -> Callable[[Any], bool]:
-    def check(value: Any) -> bool:
-        return value is None or any(value == a and type(value) is type(a) for a in allowed)
-
-    return check
-
-
-def _anything(value: Any) -> bool:
-    return True
-
-
 def _no_reasoning(value: Any) -> bool:
     return value is None or (isinstance(value, dict)
                              and all(v is None for v in value.values()))
@@ -61,16 +50,16 @@ def _no_reasoning(value: Any) -> bool:
 
 # OpenAI fields not implemented here, accepted while they ask for nothing we would ignore.
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
-    "include": _none_or([]),
-    "background": _none_or(False),
+    "include": none_or([]),
+    "background": none_or(False),
     "reasoning": _no_reasoning,
-    "truncation": _none_or("disabled"),
-    "max_tool_calls": _none_or(1),
-    "top_logprobs": _none_or(0),
-    "service_tier": _anything,
-    "prompt_cache_key": _anything,
-    "safety_identifier": _anything,
-    "stream_options": _anything,
+    "truncation": none_or("disabled"),
+    "max_tool_calls": none_or(1),
+    "top_logprobs": none_or(0),
+    "service_tier": anything,
+    "prompt_cache_key": anything,
+    "safety_identifier": anything,
+    "stream_options": anything,
 }
 
 

@@ -752,6 +752,29 @@ class CancelIfAbandoned:
             await cancel_quietly(self.request_id)
 
 
+async def streamed(request_id: str, events: AsyncIterator[StreamEvent | None], opening: bytes,
+                   keepalive: bytes) -> AsyncIterator[StreamEvent | bytes]:
+    """A streamed response's events, for its SSE writer: ``opening`` first (the server sends
+    the headers with the first body bytes), ``keepalive`` after SSE_KEEPALIVE_S without an
+    event (an idle tick is one empty read, BLOCK_MS), and each event as it comes, all under
+    ``CancelIfAbandoned``: a client that goes away mid-stream leaves its request to be
+    resumed within the grace. The writer iterates it under ``aclosing``."""
+    every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / BLOCK_MS))
+    idle = 0
+    # the events are closed last: a task cancelled while the guard enters gives back their
+    # reader place (ReaderEvents) at once, not when they are collected
+    async with aclosing(events) as stream, CancelIfAbandoned(request_id):
+        yield opening
+        async for event in stream:
+            if event is None:
+                idle += 1
+                if idle % every == 0:
+                    yield keepalive
+                continue
+            idle = 0
+            yield event
+
+
 async def cancel_quietly(request_id: str) -> None:
     """Publish a cancel; never raise (used while unwinding)."""
     try:
