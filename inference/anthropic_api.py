@@ -31,7 +31,7 @@ from inference.anthropic_openapi import (
     anthropic_errors,
 )
 from inference.anthropic_request import COUNT_TOKENS, MESSAGES, rename, translate
-from inference.api_views import SSE_MEDIA_TYPE, _json_body
+from inference.api_views import SSE_MEDIA_TYPE, json_body
 from inference.broker import StreamEvent
 from inference.errors import ApiError
 from inference.errors import exception_handler as api_exception_handler
@@ -92,7 +92,7 @@ class MessagesView(AnthropicErrors, APIView):
                    **anthropic_errors(400, 401, 404, 405, 409, 429, 500, 503, 504)},
     )
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
-        body = _json_body(request)
+        body = json_body(request)
         parsed, breakpoints, stream = _parse(MESSAGES, body)
         key = idempotency.key_digest(request.headers)
         if key is None:
@@ -130,7 +130,7 @@ class CountTokensView(AnthropicErrors, APIView):
                    **anthropic_errors(400, 401, 404, 405, 429, 500, 503)},
     )
     async def post(self, request: Request) -> JsonResponse:
-        parsed, _, _ = _parse(COUNT_TOKENS, _json_body(request))
+        parsed, _, _ = _parse(COUNT_TOKENS, json_body(request))
         parsed.params = {**parsed.params, "max_tokens": 1, "temperature": 0}
         parsed.cache_prompt = False  # counted, not computed: nothing to keep
         submission = await service.submit(request.auth, parsed)

@@ -87,7 +87,7 @@ class CompletionView(APIView):
     kind: str
 
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
-        body = _json_body(request)
+        body = json_body(request)
         parsed = parse_request(self.kind, body)
         key = idempotency.key_digest(request.headers)
         if key is None:
@@ -139,7 +139,7 @@ class VocabularyView(APIView):
     kind: str
 
     async def post(self, request: Request) -> JsonResponse:
-        parsed = parse_vocab_request(self.kind, _json_body(request))
+        parsed = parse_vocab_request(self.kind, json_body(request))
         submission = await service.submit(request.auth, parsed)
         response = JsonResponse(service.vocab_answer(await service.vocab_end(submission)))
         response["X-Request-Id"] = submission.request_id
@@ -155,7 +155,7 @@ class EmbeddingsView(APIView):
                    responses={200: EmbeddingsResponseSerializer,
                               **error_responses(400, 401, 404, 405, 429, 500, 503)})
     async def post(self, request: Request) -> JsonResponse:
-        parsed, encoding = parse_embeddings_request(_json_body(request))
+        parsed, encoding = parse_embeddings_request(json_body(request))
         submission = await service.submit(request.auth, parsed)
         end = await service.vocab_end(submission)
         result = service.vocab_answer(end)
@@ -226,7 +226,7 @@ class RequestEventsView(APIView):
         return _sse_response(formatter, await service.resume(api_key, row, after))
 
 
-def _json_body(request: Request) -> Any:
+def json_body(request: Request) -> Any:
     """The body as JSON, whatever its Content-Type (curl -d sends a form type); every way
     it can be wrong is a 400 in the API's shape."""
     try:

@@ -15,7 +15,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -222,7 +222,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     """Check a completions (``kind`` "completion") or chat body; raise ApiError (400)."""
     if not isinstance(body, dict):
         raise invalid(None, "The request body must be a JSON object.")
-    _refuse_unknown(kind, body)
+    refuse_unknown(body, *_KNOWN[kind])
     parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
     _adapter_choice(parsed, body.get("lora"))
     parsed.stream = _bool(body, "stream", False)
@@ -442,8 +442,10 @@ def _present(body: dict[str, Any], name: str) -> bool:
     return body.get(name) is not None
 
 
-def _refuse_unknown(kind: str, body: dict[str, Any]) -> None:
-    known, harmless = _KNOWN[kind]
+def refuse_unknown(body: dict[str, Any], known: Collection[str],
+                   harmless: dict[str, Callable[[Any], bool]]) -> None:
+    """A field neither ``known`` nor ``harmless`` is a 400 ``unknown_parameter``; a harmless
+    one (accepted, not acted on) whose check fails, ``unsupported_parameter``."""
     for name, value in body.items():
         if name in known:
             continue
@@ -451,7 +453,7 @@ def _refuse_unknown(kind: str, body: dict[str, Any]) -> None:
             raise invalid(name, f"Unrecognized request argument supplied: {name}",
                           "unknown_parameter")
         if not harmless[name](value):
-            raise invalid(name, f"{name}={value!r} is not supported by this server.",
+            raise invalid(name, f"{name}={value!r:.200} is not supported by this server.",
                           "unsupported_parameter")
 
 

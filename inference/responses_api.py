@@ -14,17 +14,14 @@ from contextlib import aclosing
 from typing import Any
 
 from adrf.views import APIView
-from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 
 from inference import db, idempotency, responses_request, responses_store, service
+from inference.api_views import json_body
 from inference.broker import StreamEvent
-from inference.errors import ApiError
 from inference.openai_format import KEEPALIVE_FRAME, OPEN_FRAME
-from inference.openai_request import load_json
 from inference.openapi import IDEMPOTENCY_KEY, REQUEST_ID, RETRY_AFTER, SSE, error_responses
 from inference.responses_format import Output, ResponseFormatter, frame
 from inference.responses_openapi import (
@@ -52,7 +49,7 @@ class ResponsesView(APIView):
         responses={(200, "application/json"): ResponseSerializer, (200, SSE_MEDIA_TYPE): SSE,
                    **error_responses(400, 401, 404, 405, 409, 429, 500, 503, 504)})
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
-        body = _json_body(request)
+        body = json_body(request)
         call = responses_request.read(body)
         tenant_id = request.auth.tenant_id
         earlier: list[dict[str, Any]] = []
@@ -114,15 +111,6 @@ class ResponseDetailView(APIView):
         return JsonResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-def _json_body(request: Request) -> Any:
-    """The body as JSON whatever its Content-Type; every way it can be wrong is a 400."""
-    try:
-        raw = request.body
-    except RequestDataTooBig:
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        raise ApiError("request_too_large", f"The request body is larger than {limit} bytes.",
-                       limit_bytes=limit) from None
-    return load_json(raw)
 
 
 async def _sse(formatter: ResponseFormatter, events: AsyncIterator[StreamEvent | None],

@@ -20,7 +20,14 @@ from typing import Any
 
 from inference import tools
 from inference.errors import ApiError, invalid
-from inference.openai_request import CHAT, ParsedRequest, anything, none_or, parse_request
+from inference.openai_request import (
+    CHAT,
+    ParsedRequest,
+    anything,
+    none_or,
+    parse_request,
+    refuse_unknown,
+)
 from wire.messages import MAX_MESSAGES
 from wire.sampling import FIELD_NAMES
 
@@ -101,7 +108,7 @@ def read(body: Any) -> ResponsesCall:
     """Check a Responses body (ApiError 400 naming the field)."""
     if not isinstance(body, dict):
         raise invalid(None, "The request body must be a JSON object.")
-    _refuse_unknown(body)
+    refuse_unknown(body, _KNOWN, _HARMLESS)
     model = body.get("model")
     previous = _previous_id(body.get("previous_response_id"))
     messages, sources = _input(body.get("input"), previous is not None)
@@ -165,16 +172,6 @@ def _param(param: str | None, sources: list[str]) -> str | None:
     return param
 
 
-def _refuse_unknown(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in _KNOWN:
-            continue
-        if name not in _HARMLESS:
-            raise invalid(name, f"Unrecognized request argument supplied: {name}",
-                          "unknown_parameter")
-        if not _HARMLESS[name](value):
-            raise invalid(name, f"{name}={value!r:.200} is not supported by this server.",
-                          "unsupported_parameter")
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
