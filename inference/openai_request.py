@@ -225,7 +225,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
     refuse_unknown(body, *_KNOWN[kind])
     parsed = ParsedRequest(kind=kind, model=_model(body.get("model")))
     _adapter_choice(parsed, body.get("lora"))
-    parsed.stream = _bool(body, "stream", False)
+    parsed.stream = flag(body, "stream", False)
     parsed.include_usage = _include_usage(body.get("stream_options"))
     if _present(body, "n"):
         if type(body["n"]) is not int or not 1 <= body["n"] <= protocol.MAX_CHOICES:
@@ -233,7 +233,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
         parsed.n = body["n"]
     parsed.session = _session(body)
     cache_prompt = body.get("cache_prompt")
-    parsed.cache_prompt = None if cache_prompt is None else _bool(body, "cache_prompt", True)
+    parsed.cache_prompt = None if cache_prompt is None else flag(body, "cache_prompt", True)
     if kind == CHAT:
         parsed.messages = _messages(body.get("messages"))
         parsed.tool_plan = _tool_plan(body)
@@ -243,7 +243,7 @@ def parse_request(kind: str, body: Any) -> ParsedRequest:
             parsed.prompts = list(prompt)
         else:
             parsed.prompt = prompt
-        parsed.echo = _bool(body, "echo", False)
+        parsed.echo = flag(body, "echo", False)
     if parsed.choices > protocol.MAX_CHOICES:
         raise invalid("n" if parsed.prompts is None else "prompt",
                       f"At most {protocol.MAX_CHOICES} choices in all (prompts x n).")
@@ -295,7 +295,7 @@ def _session_turn(parsed: ParsedRequest, body: dict[str, Any]) -> None:
     """``session_id`` and ``continue`` (docs/api.md, "Sessions"): ``"new"`` opens a session,
     an id with ``continue: true`` sends only the new turn, an id without it a full history
     that replaces the session's. A string that is no id of ours is no session (404)."""
-    session_id, cont = body.get("session_id"), _bool(body, "continue", False)
+    session_id, cont = body.get("session_id"), flag(body, "continue", False)
     if session_id is None:
         if cont:
             raise invalid("continue", "continue needs a session_id.")
@@ -357,8 +357,8 @@ def parse_vocab_request(kind: str, body: Any) -> ParsedRequest:
             raise invalid("content", "content must be a string.")
         _check_size("content", len(_text("content", content).encode("utf-8")))
         parsed.prompt = content
-        parsed.params = {"add_special": _bool(body, "add_special", False),
-                         "with_pieces": _bool(body, "with_pieces", False)}
+        parsed.params = {"add_special": flag(body, "add_special", False),
+                         "with_pieces": flag(body, "with_pieces", False)}
     else:
         tokens = body.get("tokens")
         if tokens is None:
@@ -491,7 +491,8 @@ def _check_size(param: str, size: int) -> None:
         )
 
 
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A true-or-false field (``default`` when absent or null), else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return default
@@ -505,7 +506,7 @@ def _include_usage(options: Any) -> bool:
         return False
     if not isinstance(options, dict):
         raise invalid("stream_options", "stream_options must be an object.")
-    return _bool(options, "include_usage", False) if "include_usage" in options else False
+    return flag(options, "include_usage", False) if "include_usage" in options else False
 
 
 def _session(body: dict[str, Any]) -> str:

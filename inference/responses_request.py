@@ -24,6 +24,7 @@ from inference.openai_request import (
     CHAT,
     ParsedRequest,
     anything,
+    flag,
     none_or,
     parse_request,
     refuse_unknown,
@@ -115,7 +116,7 @@ def read(body: Any) -> ResponsesCall:
     call = ResponsesCall(model=model, input=messages, sources=sources,
                          previous_response_id=previous)
     call.instructions = _optional_str(body, "instructions")
-    call.store = _bool(body, "store", True)
+    call.store = flag(body, "store", True)
     call.metadata = _metadata(body.get("metadata"))
     chat = call.chat_fields
     for name in ("stream", "user", "parallel_tool_calls", "temperature", "top_p", *_EXTRAS):
@@ -174,13 +175,6 @@ def _param(param: str | None, sources: list[str]) -> str | None:
 
 
 
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be true or false.")
-    return value
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

