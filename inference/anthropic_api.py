@@ -35,9 +35,8 @@ from inference.api_views import SSE_MEDIA_TYPE, json_body
 from inference.broker import StreamEvent
 from inference.errors import ApiError
 from inference.errors import exception_handler as api_exception_handler
-from inference.openai_request import CHAT, ParsedRequest, parse_request
+from inference.openai_request import CHAT, TOKENIZE, ParsedRequest, parse_request
 from inference.openapi import IDEMPOTENCY_KEY, REQUEST_ID, RETRY_AFTER, SSE
-from wire import protocol
 
 log = logging.getLogger(__name__)
 ANTHROPIC_NO_KEY = ("You didn't provide an API key. Send it as 'x-api-key: sk-...' or "
@@ -122,8 +121,8 @@ class CountTokensView(AnthropicErrors, APIView):
         operation_id="messages_count_tokens",
         summary="Count a message request's input tokens (Anthropic Messages API)",
         description="The rendered prompt's tokens with the model's own chat template (and "
-        "the tool prompt), counted by a daemon of the model: the body runs as a chat "
-        "request that is cancelled once the daemon has counted it.",
+        "the tool prompt), counted by a daemon of the model from its vocabulary, as "
+        "/v1/tokenize is: no slot, no prefill.",
         tags=["messages"], request=CountTokensRequestSerializer,
         parameters=[REQUEST_ID, RETRY_AFTER],
         responses={200: CountTokensSerializer,
@@ -131,18 +130,15 @@ class CountTokensView(AnthropicErrors, APIView):
     )
     async def post(self, request: Request) -> JsonResponse:
         parsed, _, _ = _parse(COUNT_TOKENS, json_body(request))
-        parsed.params = {**parsed.params, "max_tokens": 1, "temperature": 0}
-        parsed.cache_prompt = False  # counted, not computed: nothing to keep
+        # the chat's messages (and its tools) as a tokenize job: the daemon renders and
+        # counts them on its vocabulary thread, as it would render the chat
+        parsed.kind, parsed.params = TOKENIZE, {}
         submission = await service.submit(request.auth, parsed)
-        try:
-            prompt_tokens = submission.first.data.get("prompt_tokens")
-            if submission.first.kind != protocol.ACCEPTED or type(prompt_tokens) is not int:
-                raise ApiError("internal_error", "The daemon did not count the prompt.")
-            if not submission.first.is_terminal:
-                await service.cancel_quietly(submission.request_id)
-        finally:  # its end read (the row closed, the reader's place given back)
-            await service.collect(submission)
-        return _ids(JsonResponse({"input_tokens": prompt_tokens}), submission.request_id)
+        answer = service.vocab_answer(await service.vocab_end(submission))
+        counted = answer.get("input_tokens")
+        if type(counted) is not int:
+            raise ApiError("internal_error", "The daemon did not count the prompt.")
+        return _ids(JsonResponse({"input_tokens": counted}), submission.request_id)
 
 
 def _ids(response: JsonResponse | StreamingHttpResponse,

@@ -106,6 +106,21 @@ def test_count_tokens_is_the_prompt_a_message_reports(web, chat_daemon):
     assert with_tools.input_tokens > counted.input_tokens  # the tools are shown to the model
 
 
+def test_count_tokens_is_counted_not_generated(web, chat_daemon):
+    """A count is a tokenize of the rendered chat on the daemon's vocabulary thread: its
+    history row is a tokenize with no output, and the prompt it counts is the one a message
+    gets, the model's default system prompt included when the body has no system."""
+    api = client(web)
+    raw = api.messages.with_raw_response.count_tokens(model=SMOLLM2, messages=ASK)
+    counted = raw.parse().input_tokens
+    row = web.request("GET", f"/v1/requests/{raw.headers['x-request-id']}",
+                      key=web.keys["owner"]).json()
+    assert (row["kind"], row["status"], row["completion_tokens"]) == ("tokenize", "done", 0)
+    assert row["prompt_tokens"] == counted
+    reply = api.messages.create(model=SMOLLM2, max_tokens=2, messages=ASK, extra_body=GREEDY)
+    assert counted == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+
+
 def test_a_key_in_x_api_key_works(web, chat_daemon):
     api = anthropic.Anthropic(base_url=web.base_url, api_key=None, auth_token=None,
                               max_retries=0, default_headers={"x-api-key": web.keys["owner"]})

@@ -234,6 +234,8 @@ class Job:
     tenant_id: str
     cache_scope: str
     prompt: str | list[int] | None = None
+    # a chat's messages; on a tokenize job instead of prompt: the chat's prompt counted
+    # (answered {"input_tokens"}, Anthropic's count_tokens), its tools with it
     messages: list[dict[str, Any]] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields, as sent
     session: str | None = None

@@ -46,6 +46,7 @@ from .chat import ChatRenderer, message_calls, message_pairs, tool_grammar
 from .choices import ChoiceGroups
 from .disk_cache import DiskCache
 from .embeddings import DEFAULT_EMBEDDINGS_TENANT_TOKENS, EmbeddingsQueue
+from .job_input import tool_spec
 from .liveness import RUNNING, STUCK_AFTER_S, LoopClock
 from .scheduler import Scheduler, SchedulerConfig
 from .state import Continuation, Event, FinishedEvent, Request, TickStats, TokenEvent
@@ -639,16 +640,24 @@ class InferenceCore:
     max_answer_bytes: int = 2**20
 
     @_native_call
-    def vocabulary_answer(self, kind: str, prompt: Any,
-                          options: Any) -> tuple[dict[str, Any], int]:
+    def vocabulary_answer(self, kind: str, prompt: Any, options: Any, messages: Any = None,
+                          tools: Any = None) -> tuple[dict[str, Any], int]:
         """A tokenize or detokenize job's answer, from the model's vocabulary alone (no slot,
         no decode), and the tokens it counted (the request's usage: the text's tokens, or
         the ids). ``InvalidParameter`` names a field whose wire shape is wrong or whose ids
         the vocabulary does not hold. An answer whose JSON (as the web sends it) would pass
         ``max_answer_bytes`` is refused naming the input field and the limit, its counted
         tokens as the refusal's ``usage``; ``with_pieces`` is refused from the token count
-        alone, before a piece is looked up, when even the shortest pieces could not fit."""
+        alone, before a piece is looked up, when even the shortest pieces could not fit.
+        A tokenize job of chat ``messages`` (and ``tools``, for a template that renders them)
+        instead of text is answered ``{"input_tokens"}``: its prompt rendered and tokenized
+        as a chat job's is (``prompt_tokens``), counted (Anthropic's count_tokens)."""
         options = options if isinstance(options, dict) else {}
+        if kind == protocol.TOKENIZE_KIND and messages is not None:
+            if prompt is not None:
+                raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+            tokens = self.prompt_tokens(None, messages, tool_spec(tools))
+            return {"input_tokens": len(tokens)}, len(tokens)
         if kind == protocol.TOKENIZE_KIND:
             if not isinstance(prompt, str):
                 raise InvalidParameter("content", "must be a string")

@@ -559,7 +559,8 @@ class Intake:
         one ``done`` event holding the ``result``; its tokens (the text's, or the ids) are
         its usage, billed like a prompt's, a refused answer's too (the work was done)."""
         try:
-            result, n_tokens = self.core.vocabulary_answer(job.kind, job.prompt, job.params)
+            result, n_tokens = self.core.vocabulary_answer(job.kind, job.prompt, job.params,
+                                                           job.messages, job.tools)
         except Refusal as refusal:
             self.refuse(job.id, entry_id, refusal)
             return

@@ -28,7 +28,7 @@ class Core:
     def loop_state(self) -> dict:
         return {"stuck": False}
 
-    def vocabulary_answer(self, kind, prompt, params):
+    def vocabulary_answer(self, kind, prompt, params, messages=None, tools=None):
         self.answering.set()
         assert self.go.wait(30)
         return {"tokens": [1, 2]}, 2
