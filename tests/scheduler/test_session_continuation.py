@@ -10,8 +10,6 @@ import pytest
 from scheduler_daemon.core.chat import ChatRenderer
 from wire.errors import InvalidParameter
 
-from .test_chat_model_template import smollm2  # noqa: F401 - the fixture
-
 HISTORY = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello there!")]
 TURN = [("user", "What is the capital of France?")]
 
