@@ -21,7 +21,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inference import anthropic_format, idempotency, service
+from inference import anthropic_format, health, idempotency, service
 from inference.anthropic_format import PING_FRAME, MessageFormatter, sse_event
 from inference.anthropic_openapi import (
     CountTokensRequestSerializer,
@@ -92,6 +92,7 @@ class MessagesView(AnthropicErrors, APIView):
     )
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         body = json_body(request)
+        await health.fresh_chat_tools(body)
         parsed, breakpoints, stream = _parse(MESSAGES, body)
         key = idempotency.key_digest(request.headers)
         if key is None:
@@ -129,7 +130,9 @@ class CountTokensView(AnthropicErrors, APIView):
                    **anthropic_errors(400, 401, 404, 405, 429, 500, 503)},
     )
     async def post(self, request: Request) -> JsonResponse:
-        parsed, _, _ = _parse(COUNT_TOKENS, json_body(request))
+        body = json_body(request)
+        await health.fresh_chat_tools(body)
+        parsed, _, _ = _parse(COUNT_TOKENS, body)
         # the chat's messages (and its tools) as a tokenize job: the daemon renders and
         # counts them on its vocabulary thread, as it would render the chat
         parsed.kind, parsed.params = TOKENIZE, {}

@@ -22,7 +22,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
 
-from inference import idempotency, service
+from inference import health, idempotency, service
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.openai_format import (
@@ -88,6 +88,7 @@ class CompletionView(APIView):
 
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         body = json_body(request)
+        await health.fresh_chat_tools(body)
         parsed = parse_request(self.kind, body)
         key = idempotency.key_digest(request.headers)
         if key is None:

@@ -32,7 +32,7 @@ from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.models import ApiKey
-from inference import broker, db, service
+from inference import broker, db, health, service
 from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, AuthThrottled, key_for
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
@@ -283,6 +283,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
     async def _request(self, client_id: Any, run: _Running, kind: str,
                        content: dict[str, Any]) -> None:
         body = {k: v for k, v in content.items() if k not in _ENVELOPE}
+        await health.fresh_chat_tools(body)
         parsed = parse_request(kind, body)
         queued = await service.enqueue(self.api_key, parsed)
         try:  # its reader's place, held from the enqueue to the end of its events

@@ -151,6 +151,17 @@ def chat_tools(model: str) -> str | None:
     return _chat_tools.get(model)
 
 
+async def fresh_chat_tools(body: Any) -> None:
+    """Before a body with ``tools`` is parsed (``parse_request`` is synchronous and calls
+    ``chat_tools``), by the async entry points: a view older than CHAT_TOOLS_MAX_AGE_S is
+    read anew here, awaited with the async client (the loop goes on meanwhile), so that
+    the request sees the daemons as they are, not the last read's view."""
+    if not (isinstance(body, dict) and body.get("tools")):
+        return
+    if time.monotonic() - _chat_tools_at[0] > CHAT_TOOLS_MAX_AGE_S:
+        await _read_families()
+
+
 def _keep_families(read: Any) -> None:
     try:
         families = _families(read())

@@ -18,7 +18,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 
-from inference import db, idempotency, responses_request, responses_store, service
+from inference import db, health, idempotency, responses_request, responses_store, service
 from inference.api_views import json_body
 from inference.broker import StreamEvent
 from inference.openai_format import KEEPALIVE_FRAME, OPEN_FRAME
@@ -50,6 +50,7 @@ class ResponsesView(APIView):
                    **error_responses(400, 401, 404, 405, 409, 429, 500, 503, 504)})
     async def post(self, request: Request) -> JsonResponse | StreamingHttpResponse:
         body = json_body(request)
+        await health.fresh_chat_tools(body)
         call = responses_request.read(body)
         tenant_id = request.auth.tenant_id
         earlier: list[dict[str, Any]] = []

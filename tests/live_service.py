@@ -172,6 +172,10 @@ class WebServer:
             # tests send bursts of hundreds of requests with one key; the door's rate at its
             # defaults is tested by tests/test_door.py and bench/door_floods.py
             "PROXY_REQUESTS_PER_S": "100000", "PROXY_REQUEST_BURST": "100000",
+            # and wrong keys from one address (127.0.0.1) all session long: one module's
+            # refused keys must not throttle the next's requests; the throttle is tested by
+            # tests/test_door.py (a server of its own) and tests/test_door_auth.py
+            "AUTH_FAILURES_PER_MINUTE": "100000",
             # its daemons share one disk tier (as a fleet on one host does), removed with it
             "PROMPT_CACHE_DIR": str(self.tmp / "prompt-cache"),
         }

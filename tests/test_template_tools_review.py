@@ -167,6 +167,23 @@ def test_the_read_beside_the_loop_brings_the_daemons_word(stale_chat_tools, redi
     assert asyncio.run(requests()) == ("hermes", None)
 
 
+def test_a_request_with_tools_sees_the_daemons_as_they_are(stale_chat_tools, redis_client):
+    """The async entry points await a fresh view before a body with tools is parsed: the
+    request after a daemon changed gets the daemon's word, not the stale value (a daemon
+    that came up a moment ago was missed by its first tools request)."""
+    redis_client.zadd(protocol.DAEMONS_ZSET, {"d-review": time.time()})
+    redis_client.set(protocol.daemon_key("d-review"), json.dumps(
+        {"daemon_id": "d-review", "model": "m", "chat_tools": None}))
+
+    async def request(body) -> str | None:
+        await health.fresh_chat_tools(body)
+        return health.chat_tools("m")  # what its parse_request then reads
+
+    asyncio.run(health.fresh_chat_tools({"model": "m", "messages": []}))
+    assert health._chat_tools == {"m": "hermes"}  # no tools: nothing read
+    assert asyncio.run(request({"model": "m", "tools": [WEATHER], "messages": []})) is None
+
+
 # -- the affinity chain of a job whose tools the template renders -------------------------------
 
 def test_jobs_sharing_a_long_tools_prefix_share_their_affinity_chain(monkeypatch):
