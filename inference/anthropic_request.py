@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.errors import ApiError, invalid
+from inference.openai_request import flag
 from wire.errors import InvalidParameter
 from wire.sampling import require_text
 
@@ -81,7 +82,7 @@ def translate(kind: str, body: Any) -> Translated:
     stream = False
     if kind == MESSAGES:
         _max_tokens(body, chat)
-        stream = _flag(body, "stream")
+        stream = flag(body, "stream", False)
         _sampling(body, chat)
         _metadata(body.get("metadata"), chat)
         _hosting(body)
@@ -437,13 +438,6 @@ def _max_tokens(body: dict[str, Any], chat: dict[str, Any]) -> None:
     chat["max_tokens"] = value
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be true or false.")
-    return value
 
 
 def _sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
