@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import models
+from django.db.models import Q
 from django.utils import timezone
 
 KEY_START = "sk-"
@@ -75,8 +76,13 @@ class Tenant(models.Model):
 
 class ApiKeyQuerySet(models.QuerySet):
     def usable(self) -> "ApiKeyQuerySet":
-        """Keys that authenticate: not revoked, tenant active."""
-        return self.filter(revoked_at__isnull=True, tenant__is_active=True)
+        """Keys that authenticate: not revoked, not expired, tenant active."""
+        return self.filter(revoked_at__isnull=True, tenant__is_active=True).filter(
+            Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+
+    def for_tenant(self, tenant: Tenant) -> "ApiKeyQuerySet":
+        """One tenant's keys: the only way the console reaches keys."""
+        return self.filter(tenant=tenant)
 
 
 class ApiKey(models.Model):
@@ -89,6 +95,27 @@ class ApiKey(models.Model):
     created = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
     revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # After ``expires_at`` the key no longer authenticates (a rotated key's overlap ends so).
+    expires_at = models.DateTimeField(
+        null=True, blank=True, help_text="after this the key no longer works; blank: never")
+    # What the key may do, within its tenant's (docs/console.md):
+    allowed_models = models.JSONField(
+        default=list, blank=True,
+        help_text='model names (or "<model>:<adapter>") the key may use; empty: every model')
+    read_only = models.BooleanField(
+        default=False, help_text="history and usage only: no inference")
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the key's own limit within the tenant's; blank: none")
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the key's own limit within the tenant's; blank: none")
+    monthly_token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="the key's own limit within the tenant's; blank: none")
+    rotated_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="rotated_to",
+        editable=False, help_text="the key this one replaced (rotation)")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="+", editable=False)
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -129,8 +156,20 @@ class ApiKey(models.Model):
         return hmac.compare_digest(self.digest, secret_digest(secret))
 
     @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
     def is_usable(self) -> bool:
-        return self.revoked_at is None and self.tenant.is_active
+        return self.revoked_at is None and not self.is_expired and self.tenant.is_active
+
+    def allows_model(self, name: str) -> bool:
+        """Whether the key may use ``name`` (a model, or ``<model>:<adapter>``): an empty
+        allow-list allows every model; a base model listed allows its adapters too."""
+        allowed = self.allowed_models or []
+        if not allowed:
+            return True
+        return name in allowed or name.partition(":")[0] in allowed
 
     def revoke(self) -> None:
         self.revoked_at = timezone.now()
@@ -142,3 +181,65 @@ class ApiKey(models.Model):
         if self.last_used_at is None or now - self.last_used_at >= LAST_USED_RESOLUTION:
             ApiKey.objects.filter(pk=self.pk).update(last_used_at=now)
             self.last_used_at = now
+
+
+class Membership(models.Model):
+    """A Django user's place in a tenant (the console, docs/console.md): one tenant per user.
+    Owners and members manage keys; viewers see keys, usage, requests and the audit log."""
+
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        MEMBER = "member", "Member"
+        VIEWER = "viewer", "Viewer"
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                                related_name="membership")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created = models.DateTimeField(auto_now_add=True)
+    invited_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+", editable=False)
+
+    class Meta:
+        ordering = ["tenant", "user__username"]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.role} of {self.tenant})"
+
+    @property
+    def can_manage_keys(self) -> bool:
+        return self.role in (self.Role.OWNER, self.Role.MEMBER)
+
+
+class AuditEvent(models.Model):
+    """Who did what to a tenant's keys, limits or members, when and from where (written by
+    accounts/audit.py only; shown in the console and the admin, never edited)."""
+
+    class Action(models.TextChoices):
+        KEY_CREATE = "key.create", "key created"
+        KEY_REVOKE = "key.revoke", "key revoked"
+        KEY_ROTATE = "key.rotate", "key rotated"
+        KEY_UPDATE = "key.update", "key changed"
+        TENANT_LIMITS = "tenant.limits", "tenant limits changed"
+        MEMBER_INVITE = "member.invite", "member invited"
+        MEMBER_UPDATE = "member.update", "member changed"
+        MEMBER_REMOVE = "member.remove", "member removed"
+
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="audit_events")
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="+")
+    actor_name = models.CharField(max_length=150, blank=True,
+                                  help_text="who, as named then (a user, or a command)")
+    action = models.CharField(max_length=32, choices=Action.choices)
+    target = models.CharField(max_length=200, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+    address = models.GenericIPAddressField(null=True, blank=True)
+    created = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["tenant", "-created"], name="audit_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"{self.created:%Y-%m-%d %H:%M} {self.actor_name} {self.action} {self.target}"

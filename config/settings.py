@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "axes",
     "accounts",
     "inference",
+    "console",
     "scheduler_daemon",
 ]
 

@@ -4,11 +4,13 @@ from django.urls import include, path, re_path
 from django.views.decorators.csrf import csrf_exempt
 from django.views.generic import RedirectView
 
-from inference import admin_live, errors, metrics
+from inference import admin_live, admin_overview, errors, metrics
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="playground", permanent=False)),
     path("admin/live/", include(admin_live.urls())),
+    path("admin/overview/", admin_overview.overview, name="admin_overview"),
+    path("console/", include("console.urls")),
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics_view, name="metrics"),
     # nginx's auth_request (the proxy never routes /internal/ from clients)

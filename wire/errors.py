@@ -54,6 +54,8 @@ CODES: dict[str, ErrorCode] = _codes(
     ("session_model_mismatch", 400, "the session holds a conversation with another model"),
     ("invalid_api_key", 401, "no key, or not a usable one"),
     ("permission_denied", 403, "the key may not do this"),
+    ("model_not_allowed", 403, "the model is not on the key's allow-list"),
+    ("key_read_only", 403, "a read-only key: history and usage, no inference"),
     ("not_found", 404, "no such resource (or another tenant's)"),
     ("model_not_found", 404, "no such model, or an adapter the key's tenant does not have"),
     ("events_expired", 404, "the request's event stream has expired"),
