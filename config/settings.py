@@ -433,3 +433,23 @@ LOGGING = {
 # /v1/responses: a response made with store (the default) is kept this many days for GET
 # /v1/responses/<id> and previous_response_id, then deleted (docs/api.md, Responses).
 RESPONSES_RETENTION_DAYS = env_int("RESPONSES_RETENTION_DAYS", 30)
+
+# The tenant console (docs/console.md). An invite is Django's password-reset email (its link
+# sets the first password, valid PASSWORD_RESET_TIMEOUT_S; a reset's link is the same); the
+# console backend prints mails on the web's (or the command's) stdout unless EMAIL_BACKEND
+# names another, e.g. django.core.mail.backends.smtp.EmailBackend with the EMAIL_* below.
+# CONSOLE_URL: where members reach the service, for the links `manage.py invite` mails
+# (the admin's invites link to the address the operator used).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "console@localhost")
+PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT_S", 3 * 24 * 3600)
+CONSOLE_URL = env_str("CONSOLE_URL", "http://127.0.0.1:8000").rstrip("/")
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:keys"
+# rows per page of the console's requests and audit log
+CONSOLE_PAGE_SIZE = env_int("CONSOLE_PAGE_SIZE", 50)
