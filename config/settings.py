@@ -453,3 +453,10 @@ LOGIN_URL = "console:login"
 LOGIN_REDIRECT_URL = "console:keys"
 # rows per page of the console's requests and audit log
 CONSOLE_PAGE_SIZE = env_int("CONSOLE_PAGE_SIZE", 50)
+
+# (daemon; the web reads the retention) The operator's overview's time series
+# (docs/observability.md, "The operator's overview"): each daemon writes a sample into Redis
+# every TIMESERIES_INTERVAL_S (0: none), kept TIMESERIES_RETENTION_S (the overview's ranges
+# end there).
+TIMESERIES_INTERVAL_S = env_float("TIMESERIES_INTERVAL_S", 10.0)
+TIMESERIES_RETENTION_S = env_int("TIMESERIES_RETENTION_S", 7 * 86400)
