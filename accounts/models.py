@@ -4,9 +4,11 @@ import secrets
 import string
 import time
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.core.exceptions import ValidationError
+from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -16,6 +18,8 @@ PREFIX_LENGTH = 10
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 _PREFIX_ALPHABET = string.ascii_letters + string.digits
 _PREFIX_CHARS = frozenset(_PREFIX_ALPHABET)
+# A key's own limits, each within its tenant's limit of the same name (``ApiKey.clean``).
+KEY_LIMITS = ("requests_per_minute", "tokens_per_minute", "monthly_token_budget")
 MAX_SECRET_LENGTH = 256  # issued secrets are 43 characters (token_urlsafe(32))
 
 
@@ -145,6 +149,17 @@ class ApiKey(models.Model):
         api_key.save()
         return api_key, plaintext
 
+    def clean(self) -> None:
+        """A key's own limits within its tenant's (a tenant without a limit: any)."""
+        tenant = self.tenant if self.tenant_id is not None else None
+        errors = {}
+        for field in KEY_LIMITS:
+            own, tenants = getattr(self, field), getattr(tenant, field, None)
+            if own is not None and tenants is not None and own > tenants:
+                errors[field] = f"at most the tenant's ({tenants})"
+        if errors:
+            raise ValidationError(errors)
+
     def assign_secret(self) -> str:
         """Give an unsaved key a fresh prefix and secret; returns the plaintext key."""
         self.prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LENGTH))
@@ -174,6 +189,30 @@ class ApiKey(models.Model):
     def revoke(self) -> None:
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
+
+    def rotate(self, overlap: timedelta, by: Any = None) -> tuple["ApiKey", str]:
+        """A new key with this one's settings (name, expiry, allow-list, read-only, limits)
+        and ``rotated_from`` this one; this one stops working after ``overlap`` (its own
+        expiry kept when sooner). Returns the new key and its plaintext, never stored.
+        A revoked or expired key is not rotated (ValueError)."""
+        if overlap < timedelta(0):
+            raise ValueError("a negative overlap")
+        if self.revoked_at is not None or self.is_expired:
+            raise ValueError("a revoked or expired key is not rotated")
+        successor = ApiKey(
+            tenant=self.tenant, name=self.name, expires_at=self.expires_at,
+            allowed_models=list(self.allowed_models or []), read_only=self.read_only,
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            monthly_token_budget=self.monthly_token_budget, rotated_from=self, created_by=by)
+        plaintext = successor.assign_secret()
+        ends = timezone.now() + overlap
+        with transaction.atomic():
+            successor.save()
+            if self.expires_at is None or self.expires_at > ends:
+                self.expires_at = ends
+                self.save(update_fields=["expires_at"])
+        return successor, plaintext
 
     def touch(self) -> None:
         """Record use, writing at most once per LAST_USED_RESOLUTION."""
