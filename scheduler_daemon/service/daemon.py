@@ -8,7 +8,8 @@ PAUSING/PAUSED -> DRAINING -> STOPPING -> STOPPED). Threads, besides the core's 
 - ``control.py``: cancels (pub/sub) and operator commands (drain, resume, evict a scope);
 - ``event_writer.py``: events out, one pipeline per flush, history rows, the request log;
 - ``heartbeat.py``: the snapshot every second;
-- ``watch.py``: watched requests nobody follows any more cancelled after the resume grace.
+- ``watch.py``: watched requests nobody follows any more cancelled after the resume grace;
+- ``timeseries.py``: the service's time series (the admin's overview), a sample per interval.
 
 ``telemetry.py`` hooks into the core (ticks, KV pressure, the prefix cache, ends) and logs
 its events as JSON lines.
@@ -29,7 +30,7 @@ from typing import Any
 
 import redis
 
-from wire import protocol, queue
+from wire import protocol, queue, timeseries
 
 from ..core.inference import InferenceCore
 from ..core.lifecycle import State
@@ -40,6 +41,7 @@ from .heartbeat import Heartbeat
 from .history import HistorySink
 from .intake import Intake
 from .telemetry import Telemetry
+from .timeseries import Sampler
 from .watch import Watch
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class SchedulerDaemon:
         queue_allowance: tuple[int, int] | None = None,
         run_info: dict[str, Any] | None = None,
         telemetry_tick_s: float = 1.0,
+        timeseries_interval_s: float = timeseries.DEFAULT_INTERVAL_S,
+        timeseries_retention_s: int = timeseries.DEFAULT_RETENTION_S,
     ) -> None:
         """``history``: where request rows are closed (``run_scheduler`` gives
         ``inference.history.DatabaseHistory``; the daemon never imports the web's models).
@@ -71,7 +75,9 @@ class SchedulerDaemon:
         ``queue_allowance``: what it adds to the web's gate (MAX_QUEUE, MAX_QUEUE_PER_TENANT;
         default: the core's queue caps). ``run_info``: what the supervisor said of this run
         (restarts, how the last run ended), published in the snapshot.
-        ``telemetry_tick_s``: at most one ``tick`` telemetry line per this many seconds."""
+        ``telemetry_tick_s``: at most one ``tick`` telemetry line per this many seconds.
+        ``timeseries_interval_s``: a time series sample per this many seconds (0: none),
+        kept ``timeseries_retention_s`` (wire/timeseries.py)."""
         self.core = core
         self.redis = client
         self.model = model
@@ -89,6 +95,10 @@ class SchedulerDaemon:
             ctx, core, self.intake.rejected, config_info,
             fleet=self.fleet_entry, intake=self.intake, run_info=run_info,
         )
+        self.sampler = (Sampler(ctx, lambda: self.heartbeat.last, timeseries_interval_s,
+                                timeseries_retention_s) if timeseries_interval_s > 0 else None)
+        if self.sampler is not None:
+            self.telemetry.end_listeners.append(self.sampler.request_end)
         self.control = Control(ctx, core, self.heartbeat.beat)
         self.control.on_evict_scope = self.intake.forget_tenant
         self.watch = Watch(ctx, core.cancel, self.writer.is_live)
@@ -142,6 +152,8 @@ class SchedulerDaemon:
         self._spawn("writer", self.writer.run)
         self._spawn("heartbeat", self.heartbeat.run)
         self._spawn("watch", self.watch.run)
+        if self.sampler is not None:
+            self._spawn("timeseries", self.sampler.run)
         log.info("daemon %s serving model %r", self.daemon_id, self.model)
 
     def stop(self, grace_s: float) -> None:
@@ -159,9 +171,11 @@ class SchedulerDaemon:
             log.warning("handing back %d requests to the jobs stream", len(handed_back))
         self.lifecycle.move(State.STOPPING)
         self.writer.wake(force=True)
-        self._join("cancels", "control", "writer", "heartbeat", "watch")
+        self._join("cancels", "control", "writer", "heartbeat", "watch", "timeseries")
         self.writer.flush(everything=True)  # the held tokens too: nothing stays in memory
         self.writer.handed_back(handed_back)
+        if self.sampler is not None:
+            self.sampler.sample()  # the last ends counted (Redis away: dropped)
         self.heartbeat.remove()
         self.lifecycle.move(State.STOPPED)
         log.info("daemon %s stopped", self.daemon_id)

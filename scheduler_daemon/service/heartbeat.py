@@ -67,6 +67,7 @@ class Heartbeat:
         self.load_key = ctx.load_key
         self._beats = 0
         self._hang_recorded: str | None = None  # the request this run's hang record names
+        self.last: dict[str, Any] | None = None  # the last snapshot built (any thread reads it)
 
     def snapshot(self) -> dict[str, Any]:
         """The state published for the admin, /v1/health and /metrics (no prompt text)."""
@@ -97,7 +98,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         """Publish the snapshot now; keep this daemon's running record alive."""
-        snap = self.snapshot()
+        snap = self.last = self.snapshot()
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(
             protocol.daemon_key(self.daemon_id),

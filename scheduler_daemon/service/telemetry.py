@@ -15,7 +15,8 @@ The hooks, and the thread each runs on:
   saves): ``cache`` and ``prefix_instability``;
 - ``on_event`` (core listener, lock held): a finished request forgotten;
 - ``request_end`` (the event writer's thread, once the end is written): ``request.done`` or
-  ``request.exception``.
+  ``request.exception``, then each of ``end_listeners`` (the time series' sampler,
+  scheduler_daemon/service/timeseries.py) with the same arguments.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class Telemetry:
         self._ticks = 0  # ticks since the last tick line
         self._tokens = 0  # and their batch tokens
         self._started: set[str] = set()  # requests whose request.start is out (loop thread)
+        # called with request_end's arguments after its line (cheap; a failure is logged)
+        self.end_listeners: list[Callable[[str, str, dict[str, Any], str | None], None]] = []
 
     def emit(self, event: str, **fields: Any) -> None:
         """One line: the common fields, then ``event``'s fixed fields (missing ones null)."""
@@ -177,6 +180,11 @@ class Telemetry:
             prompt_eval_rate=timings.get("prompt_eval_rate"),
             generation_rate=timings.get("generation_rate"),
             resumed=data.get("resumed", 0))
+        for listener in self.end_listeners:
+            try:
+                listener(request_id, kind, data, tenant_id)
+            except Exception:  # a listener never breaks the writer
+                logging.getLogger(__name__).exception("telemetry: an end listener failed")
 
 
 class _DroppingQueueHandler(logging.handlers.QueueHandler):

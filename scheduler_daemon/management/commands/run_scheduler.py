@@ -53,6 +53,8 @@ CONFIG_SETTINGS = (
     "TICK_DEADLINE_S",
     "SAMPLER_DEADLINE_S",
     "TELEMETRY_TICK_S",
+    "TIMESERIES_INTERVAL_S",
+    "TIMESERIES_RETENTION_S",
 )
 
 # Test-only (FAULT_INJECTION): a job whose prompt holds this aborts the process at the loop's
@@ -197,6 +199,8 @@ class Command(BaseCommand):
             run_info={"restarts": int(os.environ.get("DAEMON_RESTARTS") or 0),
                       "last_exit": os.environ.get("DAEMON_LAST_EXIT") or None},
             telemetry_tick_s=settings.TELEMETRY_TICK_S,
+            timeseries_interval_s=settings.TIMESERIES_INTERVAL_S,
+            timeseries_retention_s=settings.TIMESERIES_RETENTION_S,
         )
         if settings.FAULT_INJECTION:  # the test-only hooks, never in a production run
             abort_when_marked(daemon)
