@@ -14,6 +14,11 @@ counts as a request against requests_per_minute, and against the web's replay ra
 tenant, ``REPLAYS_PER_MINUTE`` (a setting; 0: unlimited)     -> replays_exceeded
 A replay refused by the script is remembered in this process until its Retry-After
 (``ReplayRefusals``): the tenant's replays in that time are refused without Redis.
+
+An API key's own limits (``ApiKey`` fields, NULL = none of the key's), within its tenant's
+and checked in the same script run (``KEY_FIELDS``: requests_per_minute,
+tokens_per_minute, monthly_token_budget), refuse with the same codes; the message says it
+is the key's limit. A replay counts against the tenant's requests per minute only.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ TEMPLATE_TOKENS_PER_MESSAGE = 8
 TEMPLATE_TOKENS_FIXED = 16
 
 FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "monthly_token_budget")
+KEY_FIELDS = ("requests_per_minute", "tokens_per_minute", "monthly_token_budget")
 FRESH_KEY_S = 1.0  # a key (and its tenant) loaded this recently counts as read now
 REPLAYS_PER_MINUTE = 60  # default of the setting: one tenant's replays in the last minute
 
@@ -81,18 +87,50 @@ def slot_ttl_s() -> int:
 async def admit_key(api_key: ApiKey, request_id: str, reserve: int = 0,
                     model: str | None = None) -> None:
     """``admit_key_sync`` on the event loop (the async Redis client): a refusal never waits
-    for the database thread (the limits come with the key; read from the database only
-    when it was loaded over FRESH_KEY_S ago). Raises ApiError (429, 503 ``queue_full``)
-    or a RedisError (the script may have run: the caller releases)."""
-    limits = await key_limits(api_key)
+    for the database thread (the limits, the tenant's and the key's own, come with the key;
+    read from the database only when it was loaded over FRESH_KEY_S ago). Raises ApiError
+    (429, 503 ``queue_full``) or a RedisError (the script may have run: the caller
+    releases)."""
+    limits, own = await admission_limits(api_key)
     now = time.time()
     script, keys, args = wire_limits.admit_call(
         str(api_key.tenant_id), request_id, limits, now=now, reserve=reserve,
-        slot_ttl_s=slot_ttl_s(), model=model, max_queued=api_key.tenant.max_queued)
+        slot_ttl_s=slot_ttl_s(), model=model, max_queued=api_key.tenant.max_queued, key=own)
     refused = wire_limits.decision(await broker.async_client().eval(script, len(keys), *keys,
                                                                      *args))
     if refused is not None:
-        raise refusal(refused, limits, reserve)
+        raise refusal(refused, limits, reserve, key=own)
+
+
+def own_limits(api_key: ApiKey) -> wire_limits.KeyLimits:
+    """The key's own limits as loaded with it."""
+    return wire_limits.KeyLimits(str(api_key.pk), **{f: getattr(api_key, f) for f in KEY_FIELDS})
+
+
+def _fresh(api_key: ApiKey) -> bool:
+    loaded_at = api_key.loaded_at
+    return loaded_at is not None and time.monotonic() - loaded_at <= FRESH_KEY_S
+
+
+def admission_limits_sync(api_key: ApiKey) -> tuple[Limits, wire_limits.KeyLimits]:
+    """The tenant's limits and the key's own, as loaded with ``api_key`` if that was at
+    most FRESH_KEY_S ago, else as the database has them now (one query)."""
+    if _fresh(api_key):
+        return key_limits_sync(api_key), own_limits(api_key)
+    row = ApiKey.objects.filter(pk=api_key.pk).values(
+        *KEY_FIELDS, *(f"tenant__{f}" for f in FIELDS)).first()
+    if row is None:  # deleted since: the tenant's as they are, no limit of its own
+        return tenant_limits(api_key.tenant_id), wire_limits.KeyLimits(str(api_key.pk))
+    return (Limits(**{f: row[f"tenant__{f}"] for f in FIELDS}),
+            wire_limits.KeyLimits(str(api_key.pk), **{f: row[f] for f in KEY_FIELDS}))
+
+
+async def admission_limits(api_key: ApiKey) -> tuple[Limits, wire_limits.KeyLimits]:
+    """``admission_limits_sync`` from async code: the database thread only for a key loaded
+    over FRESH_KEY_S ago (a websocket's)."""
+    if _fresh(api_key):
+        return key_limits_sync(api_key), own_limits(api_key)
+    return await db.run(admission_limits_sync, api_key)
 
 
 async def key_limits(api_key: ApiKey) -> Limits:
@@ -256,10 +294,12 @@ async def count_replay(api_key: ApiKey) -> None:
 
 def admit_key_sync(api_key: ApiKey, request_id: str, reserve: int = 0,
                    model: str | None = None) -> None:
-    """``admit_sync`` for a request made with ``api_key`` (limits: ``key_limits_sync``;
-    ``model``: through that model's queue gate, under the tenant's ``max_queued``)."""
-    admit_sync(api_key.tenant_id, request_id, key_limits_sync(api_key), reserve=reserve,
-               model=model, max_queued=api_key.tenant.max_queued)
+    """``admit_sync`` for a request made with ``api_key`` (limits: the tenant's and the
+    key's own, ``admission_limits_sync``; ``model``: through that model's queue gate, under
+    the tenant's ``max_queued``)."""
+    limits, own = admission_limits_sync(api_key)
+    admit_sync(api_key.tenant_id, request_id, limits, reserve=reserve, model=model,
+               max_queued=api_key.tenant.max_queued, key=own)
 
 
 def reservation(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
@@ -290,21 +330,24 @@ def _utf8_len(text: object) -> int:
 def admit_sync(
     tenant_id: int | str, request_id: str, limits: Limits, now: float | None = None,
     reserve: int = 0, model: str | None = None, max_queued: int | None = None,
+    key: wire_limits.KeyLimits | None = None,
 ) -> None:
     """Take a slot for ``request_id`` or raise ApiError 429 (with Retry-After). With a
     token limit, ``reserve`` tokens are held for the request until it ends (its actual
     usage replaces them: ``wire.limits.record_usage``). ``model``: the model's queue is
-    looked at first (503 ``queue_full``, 429 ``tenant_queue_full``: wire/queue.py)."""
+    looked at first (503 ``queue_full``, 429 ``tenant_queue_full``: wire/queue.py).
+    ``key``: the key's own limits, in the same script run (``wire.limits.admit_call``)."""
     now = time.time() if now is None else now
     refused = wire_limits.admit(broker.sync_client(), str(tenant_id), request_id, limits,
                                 now=now, reserve=reserve, slot_ttl_s=slot_ttl_s(),
-                                model=model, max_queued=max_queued)
+                                model=model, max_queued=max_queued, key=key)
     if refused is not None:
-        raise refusal(refused, limits, reserve)
+        raise refusal(refused, limits, reserve, key=key)
 
 
 def release_sync(tenant_id: int | str, request_id: str) -> None:
-    """Free a request's concurrency slot and drop its token reservation (idempotent)."""
+    """Free a request's concurrency slot and drop its token reservations, the tenant's and
+    its key's (idempotent)."""
     pipe = broker.sync_client().pipeline(transaction=False)
     wire_limits.release(pipe, str(tenant_id), request_id)
     pipe.execute()
@@ -385,15 +428,22 @@ async def free_slot_quietly(tenant_id: str, member: str) -> None:
 
 
 def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0,
-            replays_per_minute: int = 0) -> ApiError:
+            replays_per_minute: int = 0,
+            key: wire_limits.KeyLimits | None = None) -> ApiError:
     """The 429 (503 for a full model queue) for a refusal: its code, a message saying what
-    is over and what to do, ``param: "max_tokens"`` when a smaller one would fit, and when
-    to retry (the ``Retry-After`` header, and ``retry_after_s`` in the body for websocket
-    clients)."""
+    is over (the tenant's limit, or the key's own: ``key``) and what to do,
+    ``param: "max_tokens"`` when a smaller one would fit, and when to retry (the
+    ``Retry-After`` header, and ``retry_after_s`` in the body for websocket clients)."""
     if refused.limit == wire_limits.REPLAYS:
         message, param = (f"This tenant replayed {refused.used} finished requests in the last "
                           f"minute, the most per minute ({replays_per_minute}); try again in "
                           f"{refused.retry_after_s} s."), None
+    elif refused.of_key:
+        own = key or wire_limits.KeyLimits("")
+        message, param = _explain(
+            replace(refused, limit=refused.base_limit),
+            Limits(own.requests_per_minute, own.tokens_per_minute, None,
+                   own.monthly_token_budget), reserve, who="API key")
     else:
         message, param = _explain(refused, limits, reserve)
     retry = refused.retry_after_s
@@ -401,9 +451,12 @@ def refusal(refused: wire_limits.Refused, limits: Limits, reserve: int = 0,
                     retry_after_s=retry)
 
 
-def _explain(refused: wire_limits.Refused, limits: Limits,
-             reserve: int) -> tuple[str, str | None]:
+def _explain(refused: wire_limits.Refused, limits: Limits, reserve: int,
+             who: str = "tenant") -> tuple[str, str | None]:
+    """``who``: whose limit refused, "tenant" or "API key" (the key's own, within the
+    tenant's)."""
     limit, how, used, reserved = refused.limit, refused.how, refused.used, refused.reserved
+    this, its = f"This {who}", f"the {who}'s"
     if limit == wire_limits.QUEUE:
         return (f"{used} requests are waiting for this model, as many as its daemons "
                 f"queue; try again in {refused.retry_after_s} s."), None
@@ -416,33 +469,34 @@ def _explain(refused: wire_limits.Refused, limits: Limits,
                 "(resumes count too); wait for one to finish."), None
     if how == wire_limits.HELD:
         which = "monthly budget" if limit == wire_limits.BUDGET else "tokens per minute"
-        return (f"This tenant's requests in flight have reserved {reserved} tokens of its "
+        return (f"{this}'s requests in flight have reserved {reserved} tokens of its "
                 f"{which}; {wants} and does not fit next to them: wait for one to finish, "
                 "or lower max_tokens."), None
     if limit == wire_limits.BUDGET:
         budget = limits.monthly_token_budget or 0
         if how == wire_limits.TOO_BIG:
-            return (f"{wants[0].upper()}{wants[1:]}, more than the tenant's monthly budget "
+            return (f"{wants[0].upper()}{wants[1:]}, more than {its} monthly budget "
                     f"of {budget}: lower max_tokens."), "max_tokens"
         if used >= budget:
-            return f"This tenant has used its monthly budget of {budget} tokens.", None
-        return (f"This tenant has {budget - used} tokens left of its monthly budget of "
+            return f"{this} has used its monthly budget of {budget} tokens.", None
+        return (f"{this} has {budget - used} tokens left of its monthly budget of "
                 f"{budget}; {wants}: lower max_tokens."), "max_tokens"
     if limit == wire_limits.TPM:
         tpm = limits.tokens_per_minute or 0
         if how == wire_limits.TOO_BIG:
-            return (f"{wants[0].upper()}{wants[1:]}, more than the tenant's {tpm} tokens per "
+            return (f"{wants[0].upper()}{wants[1:]}, more than {its} {tpm} tokens per "
                     "minute: lower max_tokens."), "max_tokens"
         room = used + reserved < tpm  # a smaller max_tokens could fit now
-        return (f"This tenant used {used} tokens in the last minute and its requests in "
+        return (f"{this} used {used} tokens in the last minute and its requests in "
                 f"flight reserved {reserved}, of its {tpm} tokens per minute; {wants}: try "
                 f"again in {refused.retry_after_s} s{', or lower max_tokens' if room else ''}."
                 ), "max_tokens" if room else None
     if limit == wire_limits.RPM:
         if how == wire_limits.TOO_BIG:
-            return "This tenant may make no requests (requests_per_minute is 0).", None
-        return (f"This tenant made {used} requests in the last minute (replays count "
-                f"too), its limit of {limits.requests_per_minute} per minute; try again in "
+            return f"{this} may make no requests (requests_per_minute is 0).", None
+        replays = " (replays count too)" if who == "tenant" else ""
+        return (f"{this} made {used} requests in the last minute{replays}, its limit of "
+                f"{limits.requests_per_minute} per minute; try again in "
                 f"{refused.retry_after_s} s."), None
     return "This tenant may have no requests in flight (max_concurrent is 0).", None
 

@@ -27,7 +27,8 @@ local function extend(key, ttl)  -- a key's TTL only grows: it holds others' mem
   if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
 end
 -- counts the refusal under its code in ``counter``; the reply limits.decision reads
-local function refuse(counter, code, limit, how, retry, used)
+-- (``held``: the tokens reserved that the refused limit counts; the tenant's if nil)
+local function refuse(counter, code, limit, how, retry, used, held)
   redis.call('HINCRBY', counter, code, 1)
-  return table.concat({limit, how, math.max(1, math.ceil(retry)), used, reserved}, ':')
+  return table.concat({limit, how, math.max(1, math.ceil(retry)), used, held or reserved}, ':')
 end
