@@ -94,6 +94,7 @@ class MessagesView(AnthropicErrors, APIView):
         body = json_body(request)
         await health.fresh_chat_tools(body)
         parsed, breakpoints, stream = _parse(MESSAGES, body)
+        service.check_scope(request.auth, parsed)  # a replay too
         key = idempotency.key_digest(request.headers)
         if key is None:
             submission = await service.submit(request.auth, parsed)

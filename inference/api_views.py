@@ -90,6 +90,7 @@ class CompletionView(APIView):
         body = json_body(request)
         await health.fresh_chat_tools(body)
         parsed = parse_request(self.kind, body)
+        service.check_scope(request.auth, parsed)  # a replay too
         key = idempotency.key_digest(request.headers)
         if key is None:
             submission = await service.submit(request.auth, parsed)

@@ -11,7 +11,13 @@ then trusted for ``KEY_CACHE_S`` in this process: a revoked key, or one whose te
 deactivated, stops authenticating within that second in every web process, and at once in a
 process that changed it through the model (``revoke()``, a save in the admin: the cache
 forgets it on ``post_save``/``post_delete``). Open websockets notice within
-``WS_REVOCATION_CHECK_S`` (consumers.py), the same second.
+``WS_REVOCATION_CHECK_S`` (consumers.py), the same second. A key past its ``expires_at``
+stops at once: a cached key is checked against it on every use.
+
+A read-only key (``ApiKey.read_only``: history and usage only) authenticates, and any
+request but a read (GET, HEAD, OPTIONS) made with it is refused here, 403 ``key_read_only``
+(inference, cancels, deletions); the websocket refuses its requests the same way
+(``service.check_scope``, which also holds a key to its ``allowed_models``).
 
 Wrong keys cost the database little (both in this process, bounded):
 - a key prefix the database does not know is remembered for ``AUTH_NEGATIVE_CACHE_S``, and
@@ -42,19 +48,24 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 
 from accounts.authentication import ApiKeyUser, Found, find_key
 from accounts.models import ApiKey, Tenant, split_key
 from inference import db
-from wire.errors import AUTH_THROTTLED
+from wire.errors import AUTH_THROTTLED, CODES
 
 KEYWORD = "Bearer"
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
 BAD_KEY = "Incorrect API key provided."
 THROTTLED = ("Too many failed API key checks from your address; try again in {seconds} s "
              "(a key in use here a moment ago still works).")
+READ_ONLY = ("This API key is read-only: it may read the request history, usage and models, "
+             "not run or change anything.")
 INVALID_API_KEY = "invalid_api_key"  # the code of both refusals (wire.errors.CODES)
+KEY_READ_ONLY = CODES["key_read_only"].code  # a read-only key asked for more than a read
+MODEL_NOT_ALLOWED = CODES["model_not_allowed"].code  # a model off the key's allow-list
 API_KEY_HEADER = "X-Api-Key"  # the key-check view's other header (Anthropic's style)
 # How long a key read from the database is trusted; at most inference.limits.FRESH_KEY_S,
 # so that admission takes the tenant limits loaded with the key.
@@ -100,6 +111,9 @@ class KeyCache:
         api_key = self._keys.get(prefix)
         if api_key is None or time.monotonic() - (api_key.loaded_at or 0) > KEY_CACHE_S:
             return False
+        if api_key.is_expired:  # at once, not within KEY_CACHE_S
+            self._keys.pop(prefix, None)
+            return None
         return api_key if api_key.matches(secret) else None
 
     def known(self, raw: str) -> bool:
@@ -107,7 +121,7 @@ class KeyCache:
         cached and its secret matching): a throttled address may still look it up."""
         parts = split_key(raw.strip())
         api_key = self._keys.get(parts[0]) if parts else None
-        return api_key is not None and api_key.matches(parts[1])
+        return api_key is not None and not api_key.is_expired and api_key.matches(parts[1])
 
     def put(self, api_key: ApiKey) -> None:
         if len(self._keys) >= MAX_CACHED_KEYS:
@@ -243,6 +257,16 @@ unknown_prefixes = UnknownPrefixes()
 failures = FailedAuthThrottle()
 
 
+class KeyReadOnly(exceptions.APIException):
+    """403 ``key_read_only``: a read-only key asked for more than a read."""
+
+    status_code = 403
+    default_code = KEY_READ_ONLY
+
+    def __init__(self) -> None:
+        super().__init__(READ_ONLY, KEY_READ_ONLY)
+
+
 class AuthThrottled(exceptions.APIException):
     """429 ``auth_throttled``: the client's address failed too many key checks (DRF's
     handler sends ``wait`` as Retry-After)."""
@@ -375,7 +399,8 @@ class ApiKeyAuthentication(BaseAuthentication):
     """DRF authentication by API key (``Authorization: Bearer``, else ``X-Api-Key``):
     ``request.auth`` is the ``ApiKey``, ``request.user`` an ``ApiKeyUser``. No header: None
     (the permission check answers 401 ``NO_KEY``); any other header that is not a usable
-    key: 401 ``BAD_KEY``; from a throttled address: 429 ``auth_throttled``. DRF calls
+    key: 401 ``BAD_KEY``; from a throttled address: 429 ``auth_throttled``; a read-only
+    key on a method that is not a read: 403 ``key_read_only``. DRF calls
     ``authenticate`` on the request's thread (adrf's async views too), which waits for the
     database thread when the key is not cached."""
 
@@ -391,6 +416,8 @@ class ApiKeyAuthentication(BaseAuthentication):
         api_key = lookup(token, address) if token else _known_bad(address)
         if api_key is None:
             raise exceptions.AuthenticationFailed(BAD_KEY, INVALID_API_KEY)
+        if api_key.read_only and request.method not in SAFE_METHODS:
+            raise KeyReadOnly()
         return ApiKeyUser(api_key), api_key
 
     def authenticate_header(self, request: Request) -> str:

@@ -10,10 +10,12 @@ docs/api.md.
 Robustness (issue 12): a malformed message is answered with an ``error`` naming the problem
 and the socket carries on; a socket that has not authenticated within ``AUTH_TIMEOUT_S`` is
 closed (4401); any exception in the consumer itself closes the socket (1011) after
-cancelling its requests; a key that is revoked, or whose tenant is deactivated, while its
-socket is open is noticed within ``REVOCATION_CHECK_S`` by one watcher per process (one
-database query for all open sockets' keys), and its sockets are closed (4401) after
-cancelling their requests.
+cancelling its requests; a key that is revoked, expires (its ``expires_at`` passes) or whose
+tenant is deactivated while its socket is open is noticed within ``REVOCATION_CHECK_S`` by
+one watcher per process (one database query for all open sockets' keys), and its sockets
+are closed (4401, ``invalid_api_key``) after cancelling their requests. The same query
+brings the keys' scope (``read_only``, ``allowed_models``) and own limits up to date: a
+socket's next request is held to the key as it is now (``service.check_scope``).
 """
 from __future__ import annotations
 
@@ -191,11 +193,11 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(code, message))
 
     async def revoked(self) -> None:
-        """The key was revoked or its tenant deactivated (the watcher noticed)."""
+        """The key was revoked, expired or its tenant deactivated (the watcher noticed)."""
         try:
             await self._shutdown(CLOSE_UNAUTHENTICATED, ApiError(
-                INVALID_API_KEY, "This API key was revoked (or its tenant deactivated); the "
-                "socket is closed and its requests are cancelled."))
+                INVALID_API_KEY, "This API key was revoked or has expired (or its tenant "
+                "was deactivated); the socket is closed and its requests are cancelled."))
         except Exception:  # the socket is going either way
             log.warning("closing a revoked key's websocket failed", exc_info=True)
 
@@ -473,15 +475,26 @@ class _RevocationWatcher:
         sockets = [s for s in self.sockets if s.api_key is not None and not s.shutting]
         if not sockets:
             return
-        usable = await db.run(_usable_key_ids, {s.api_key.pk for s in sockets})
+        usable = await db.run(_usable_keys, {s.api_key.pk for s in sockets})
         for consumer in sockets:
-            if consumer.api_key.pk not in usable:
+            fields = usable.get(consumer.api_key.pk)
+            if fields is None:
                 self.sockets.discard(consumer)
                 asyncio.create_task(consumer.revoked())
+            else:  # the key as it is now: its scope and own limits
+                for name, value in fields.items():
+                    setattr(consumer.api_key, name, value)
 
 
-def _usable_key_ids(ids: set[int]) -> set[int]:
-    return set(ApiKey.objects.usable().filter(pk__in=ids).values_list("pk", flat=True))
+SCOPE_FIELDS = ("expires_at", "allowed_models", "read_only", "requests_per_minute",
+                "tokens_per_minute", "monthly_token_budget")
+
+
+def _usable_keys(ids: set[int]) -> dict[int, dict[str, Any]]:
+    """The usable keys among ``ids`` (not revoked, not expired, tenant active): their
+    ``SCOPE_FIELDS`` by id."""
+    rows = ApiKey.objects.usable().filter(pk__in=ids).values("pk", *SCOPE_FIELDS)
+    return {row.pop("pk"): row for row in rows}
 
 
 _watchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _RevocationWatcher] = (

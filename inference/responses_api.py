@@ -58,6 +58,7 @@ class ResponsesView(APIView):
             earlier = await db.run(responses_store.conversation, tenant_id,
                                    call.previous_response_id)
         parsed = responses_request.parse(call, earlier)
+        service.check_scope(request.auth, parsed)  # a replay too
         key = idempotency.key_digest(request.headers)
         if key is None:
             submission = await service.submit(request.auth, parsed)

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
 from inference import adapters, broker, db, history, limits, metrics, watch
+from inference.auth import KEY_READ_ONLY, MODEL_NOT_ALLOWED, READ_ONLY
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid, model_not_found, unavailable
 from inference.models import InferenceRequest
@@ -89,13 +90,16 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     """Create the history row and queue a checked request for a daemon of its model; its
     reader holds a place in this process from here (``broker.take_place``).
 
-    Raises ApiError: 404 ``model_not_found`` for a model no daemon serves (or an adapter the
+    Raises ApiError: 403 ``key_read_only`` or ``model_not_allowed`` for what the key may not
+    do (``check_scope``), before anything else; 404 ``model_not_found`` for a model no
+    daemon serves (or an adapter the
     key's tenant does not have: inference/adapters.py); 503 no live daemon serves a model of
     ``MODELS``; 429 over a tenant limit
     or the tenant's share of this process's readers; 503 ``service_unavailable``
     (Retry-After) when this process is full, or Redis does not answer or refuses: no row is
     left queued (one already made is closed as failed) and the slot is released.
     """
+    check_scope(api_key, parsed)
     try:
         await adapters.resolve(api_key, parsed)
         served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
@@ -113,6 +117,21 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     except BaseException:
         place.release()
         raise
+
+
+def check_scope(api_key: ApiKey, parsed: ParsedRequest) -> None:
+    """What the key may run: a read-only key nothing (403 ``key_read_only``); a key with an
+    allow-list (``ApiKey.allows_model``) only its models, the model named as the client
+    named it, ``<model>:<adapter>`` for an adapter (403 ``model_not_allowed``, whether or
+    not the model exists: a key learns nothing of models it may not use). Every request
+    that runs passes here (``enqueue``); the entry points that may answer with a replay
+    (an Idempotency-Key's) call it first too."""
+    if api_key.read_only:
+        raise ApiError(KEY_READ_ONLY, READ_ONLY)
+    name = parsed.shown_model
+    if not api_key.allows_model(name):
+        raise ApiError(MODEL_NOT_ALLOWED, f"This API key may not use the model {name!r}; "
+                       "GET /v1/models lists the models it may use.", "model")
 
 
 async def _enqueue(api_key: ApiKey, parsed: ParsedRequest, request_id: str,

@@ -74,14 +74,17 @@ def _is_staff_session(session_key: str) -> bool:
 
 
 def _key_models(request: Request) -> list[dict]:
-    """The models live daemons serve, then the key's tenant's adapters of them."""
+    """The models live daemons serve, then the key's tenant's adapters of them: those the
+    key may use (``ApiKey.allows_model``: its allow-list, when it has one)."""
     served = model_list()
-    return served + adapters.model_entries(request.auth.tenant_id, served)
+    found = served + adapters.model_entries(request.auth.tenant_id, served)
+    return [m for m in found if request.auth.allows_model(m["id"])]
 
 
 class ModelListView(APIView):
     """GET /v1/models: the models live daemons serve, and the key's tenant's adapters of
-    them (``<base>:<name>``)."""
+    them (``<base>:<name>``), those the key may use (a key with an allow-list sees only
+    its models; another is 404 as an unknown one)."""
 
     @extend_schema(responses={200: MODEL_LIST, **error_responses(401)},
                    summary="Models live daemons serve, and the tenant's adapters of them")
