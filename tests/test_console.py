@@ -472,3 +472,13 @@ def test_the_operator_sees_every_audit_event_read_only(console, admin_client):
     assert page.status_code == 200 and b'name="_save"' not in page.content
     assert admin_client.get(f"/admin/accounts/auditevent/{limits.pk}/delete/").status_code == 403
     assert admin_client.get("/admin/accounts/membership/").status_code == 200
+
+
+def test_hostile_parameters_are_ignored_never_a_500(console):
+    client = client_of(console.member)
+    for query in ("key=99999999999999999999999", "key=-1", "page=-1", "page=9" * 30,
+                  "since=9999-12-31T23:59", "until=0001-01-01T00:00", "model=" + "x" * 300,
+                  "model=%00"):
+        assert client.get(f"/console/requests/?{query}").status_code == 200, query
+    assert client.get("/console/audit/?page=zz").status_code == 200
+    assert client.get("/console/keys/99999999999999999999999/").status_code == 404
