@@ -97,6 +97,7 @@ EXERCISED = {
     "adapters": ".venv/bin/python manage.py adapters list --tenant acme",
     "spectacular": ".venv/bin/python manage.py spectacular --format openapi-json",
     "run_scheduler": ".venv/bin/python manage.py run_scheduler --supervise --help",
+    "invite": ".venv/bin/python manage.py invite demo someone@example.com --role owner",
 }
 
 
@@ -113,6 +114,8 @@ def test_the_documented_commands_run_from_a_plain_shell(checkout):
     lines = as_printed(checkout, EXERCISED["create_api_key"]).splitlines()
     assert lines[-1].startswith("sk-")
     assert '"openapi"' in as_printed(checkout, EXERCISED["spectacular"])
+    link = as_printed(checkout, EXERCISED["invite"]).splitlines()[-1]
+    assert "/console/password/reset/" in link
     password = "a-new-Password-4-admin"
     as_printed(checkout, EXERCISED["changepassword"], stdin=f"{password}\n{password}\n")
 
