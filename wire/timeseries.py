@@ -200,7 +200,8 @@ class Overview:
 
     step: int
     starts: list[int]
-    tokens_per_s: dict[str, list[float | None]]  # "prompt", "completion"
+    tokens: dict[str, list[int]]  # "prompt", "completion": tokens of requests that ended
+    tokens_per_s: dict[str, list[float | None]]  # the same per second (None: no daemon wrote)
     requests: list[int]
     running: dict[str, list[float | None]]  # model -> mean requests in slots
     waiting: dict[str, list[float | None]]  # model -> mean waiting inside daemons
@@ -234,6 +235,7 @@ def read(client: Any, range_s: int, now: float, retention_s: int = DEFAULT_RETEN
     seconds = [min(step, max(1.0, now - start)) for start in starts]  # the last one: so far
     return Overview(
         step=step, starts=starts,
+        tokens={kind: [_sum(b, kind) for b in buckets] for kind in ("prompt", "completion")},
         tokens_per_s={kind: [_sum(b, kind) / s if b else None
                              for b, s in zip(buckets, seconds, strict=True)]
                       for kind in ("prompt", "completion")},
