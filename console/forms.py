@@ -3,7 +3,7 @@ and an invite (the admin's form and ``manage.py invite`` share ``invite``)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django import forms
@@ -33,6 +33,21 @@ OVERLAPS = [(0, "none: the old key stops now"), (3600, "1 hour"), (86400, "24 ho
 DATETIME_FORMAT = "%Y-%m-%dT%H:%M"
 
 
+class DateTimeField(forms.DateTimeField):
+    """Django's, refusing a time that has no UTC time (an offset past year 1 or 9999):
+    the database stores UTC, and the conversion raised OverflowError (a 500)."""
+
+    def to_python(self, value: Any) -> datetime | None:
+        moment = super().to_python(value)
+        if moment is not None:
+            try:
+                moment.astimezone(UTC)
+            except OverflowError:
+                raise forms.ValidationError(self.error_messages["invalid"],
+                                            code="invalid") from None
+        return moment
+
+
 def model_choices(tenant: Tenant, current: list[str]) -> list[tuple[str, str]]:
     """What a key may be limited to: the served models and the catalog's, the tenant's
     adapters as ``<model>:<name>``, and what the key already lists (set in the admin)."""
@@ -55,7 +70,7 @@ class KeyForm(forms.ModelForm):
     allowed_models = forms.MultipleChoiceField(
         required=False, widget=forms.CheckboxSelectMultiple,
         help_text="none ticked: every model (and adapter) of the tenant")
-    expires_at = forms.DateTimeField(
+    expires_at = DateTimeField(
         required=False, label="Expires (UTC)",
         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format=DATETIME_FORMAT),
         help_text="blank: never")
@@ -103,10 +118,10 @@ class RequestFilterForm(forms.Form):
                                choices=[("", "any"), *InferenceRequest.Status.choices])
     kind = forms.ChoiceField(required=False,
                              choices=[("", "any"), *InferenceRequest.Kind.choices])
-    since = forms.DateTimeField(
+    since = DateTimeField(
         required=False, label="from (UTC)",
         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format=DATETIME_FORMAT))
-    until = forms.DateTimeField(
+    until = DateTimeField(
         required=False, label="to (UTC)",
         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format=DATETIME_FORMAT))
 

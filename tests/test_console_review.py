@@ -1,0 +1,37 @@
+"""A hostile review of the tenant console (issue 38): what a hostile member or invited user
+found, each a test that failed before its fix. tests/test_console.py covers the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from accounts.models import ApiKey, AuditEvent
+from tests import test_console as base
+from tests.test_console import client_of, new_key
+
+console = base.console  # the fixture: two tenants, their members, keys and rows
+
+# Offsets that move a date past the calendar's ends once in UTC (the database's zone):
+# SQLite's adapter raised OverflowError (a 500) on each.
+PAST_THE_CALENDAR = ["9999-12-31T23:59-05:00", "0001-01-01T00:00+05:00"]
+
+
+@pytest.mark.parametrize("value", PAST_THE_CALENDAR)
+def test_a_key_expiry_past_the_calendar_is_a_form_error_not_a_500(console, value):
+    client = client_of(console.member, raise_request_exception=False)
+    created = new_key(client, expires_at=value)
+    assert created.status_code == 200 and "expires_at" in created.context["form"].errors
+    edited = client.post(f"/console/keys/{console.key.pk}/", {"name": "x", "expires_at": value})
+    assert edited.status_code == 200 and "expires_at" in edited.context["form"].errors
+    key = ApiKey.objects.get(pk=console.key.pk)
+    assert (key.name, key.expires_at) == ("alpha-key", None)
+    assert ApiKey.objects.count() == 2 and not AuditEvent.objects.exists()
+
+
+@pytest.mark.parametrize("value", PAST_THE_CALENDAR)
+@pytest.mark.parametrize("name", ["since", "until"])
+def test_a_requests_filter_past_the_calendar_is_ignored_not_a_500(console, name, value):
+    reply = client_of(console.viewer, raise_request_exception=False).get(
+        "/console/requests/", {name: value})
+    assert reply.status_code == 200 and reply.context["page"].paginator.count == 1
+    assert any(name in str(message) for message in reply.context["messages"])
