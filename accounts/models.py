@@ -194,7 +194,8 @@ class ApiKey(models.Model):
         """A new key with this one's settings (name, expiry, allow-list, read-only, limits)
         and ``rotated_from`` this one; this one stops working after ``overlap`` (its own
         expiry kept when sooner). Returns the new key and its plaintext, never stored.
-        A revoked or expired key is not rotated (ValueError)."""
+        A revoked or expired key, or one rotated already, is not rotated (ValueError): a
+        second successor (a double submit) would be a live key no one has the plaintext of."""
         if overlap < timedelta(0):
             raise ValueError("a negative overlap")
         if self.revoked_at is not None or self.is_expired:
@@ -208,6 +209,10 @@ class ApiKey(models.Model):
         plaintext = successor.assign_secret()
         ends = timezone.now() + overlap
         with transaction.atomic():
+            # the key's row locked (PostgreSQL): two rotations at once make one successor
+            ApiKey.objects.select_for_update().filter(pk=self.pk).first()
+            if self.rotated_to.exists():
+                raise ValueError("a key is rotated once")
             successor.save()
             if self.expires_at is None or self.expires_at > ends:
                 self.expires_at = ends

@@ -101,12 +101,17 @@ def key_detail(request: HttpRequest, pk: int) -> HttpResponse:
 def key_rotate(request: HttpRequest, pk: int) -> HttpResponse:
     api_key = _key(request, pk)
     form = RotateForm(request.POST or None)
-    if not api_key.is_usable:
-        messages.error(request, "A revoked or expired key is not rotated.")
-        return redirect("console:key_detail", pk=api_key.pk)
+    refused = redirect("console:key_detail", pk=api_key.pk)
+    if not api_key.is_usable or api_key.rotated_to.exists():
+        messages.error(request, "A revoked, expired or already rotated key is not rotated.")
+        return refused
     if request.method == "POST" and form.is_valid():
         old_expiry = api_key.expires_at
-        successor, plaintext = api_key.rotate(form.overlap, by=request.user)
+        try:
+            successor, plaintext = api_key.rotate(form.overlap, by=request.user)
+        except ValueError:  # rotated by another submit meanwhile
+            messages.error(request, "This key was rotated already.")
+            return refused
         record(AuditEvent.Action.KEY_ROTATE, tenant=api_key.tenant, request=request,
                      target=str(api_key), detail={
                          "expires_at": [audit_value(old_expiry), audit_value(api_key.expires_at)],

@@ -3,6 +3,8 @@ found, each a test that failed before its fix. tests/test_console.py covers the 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from accounts.models import ApiKey, AuditEvent
@@ -35,3 +37,23 @@ def test_a_requests_filter_past_the_calendar_is_ignored_not_a_500(console, name,
         "/console/requests/", {name: value})
     assert reply.status_code == 200 and reply.context["page"].paginator.count == 1
     assert any(name in str(message) for message in reply.context["messages"])
+
+
+def test_a_rotated_key_is_not_rotated_again(console):
+    """A double-submitted rotation (a reload of the shown-once page) made a second successor
+    whose plaintext nobody kept: a live key of the tenant's that no one can name."""
+    client = client_of(console.member)
+    url = f"/console/keys/{console.key.pk}/rotate/"
+    first = client.post(url, {"overlap_s": "86400"})
+    assert first.status_code == 200 and first["Cache-Control"] == "no-store"
+    expires = ApiKey.objects.get(pk=console.key.pk).expires_at
+    again = client.post(url, {"overlap_s": "3600"})
+    assert again.status_code == 302 and again["Location"] == f"/console/keys/{console.key.pk}/"
+    assert "already rotated" in client.get(again["Location"]).content.decode()
+    assert ApiKey.objects.filter(rotated_from=console.key).count() == 1
+    assert ApiKey.objects.get(pk=console.key.pk).expires_at == expires
+    assert AuditEvent.objects.filter(action="key.rotate").count() == 1
+    assert client.get(url).status_code == 302
+    assert f'href="{url}"' not in client.get(f"/console/keys/{console.key.pk}/").content.decode()
+    with pytest.raises(ValueError):
+        ApiKey.objects.get(pk=console.key.pk).rotate(timedelta(0))
