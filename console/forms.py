@@ -31,6 +31,9 @@ KEY_FIELDS = ["name", "expires_at", "allowed_models", "read_only", "requests_per
 OVERLAPS = [(0, "none: the old key stops now"), (3600, "1 hour"), (86400, "24 hours"),
             (7 * 86400, "7 days")]
 DATETIME_FORMAT = "%Y-%m-%dT%H:%M"
+# A key's expiry to the second: a form posted back unchanged leaves it as it is (to the
+# minute, a rename moved it, and an expired key's was "in the past").
+EXPIRY_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
 
 class DateTimeField(forms.DateTimeField):
@@ -72,7 +75,8 @@ class KeyForm(forms.ModelForm):
         help_text="none ticked: every model (and adapter) of the tenant")
     expires_at = DateTimeField(
         required=False, label="Expires (UTC)",
-        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format=DATETIME_FORMAT),
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local", "step": "1"},
+                                   format=EXPIRY_FORMAT),
         help_text="blank: never")
 
     class Meta:

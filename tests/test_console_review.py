@@ -3,9 +3,11 @@ found, each a test that failed before its fix. tests/test_console.py covers the 
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from accounts.models import ApiKey, AuditEvent
 from tests import test_console as base
@@ -57,3 +59,27 @@ def test_a_rotated_key_is_not_rotated_again(console):
     assert f'href="{url}"' not in client.get(f"/console/keys/{console.key.pk}/").content.decode()
     with pytest.raises(ValueError):
         ApiKey.objects.get(pk=console.key.pk).rotate(timedelta(0))
+
+
+def test_renaming_a_key_keeps_its_expiry_to_the_second(console):
+    """The form showed the expiry to the minute: a rename posted it back so, which changed the
+    expiry (audited as a change), and on an expired key was "must be in the future" (the way
+    out the page left: blank the expiry, which brought the key back)."""
+    client = client_of(console.member)
+    live, _ = ApiKey.issue(console.alpha, "live")
+    dead, _ = ApiKey.issue(console.alpha, "dead")
+    ApiKey.objects.filter(pk=live.pk).update(
+        expires_at=timezone.now() + timedelta(hours=1, seconds=30))
+    ApiKey.objects.filter(pk=dead.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    for key in (live, dead):
+        url = f"/console/keys/{key.pk}/"
+        page = client.get(url).content.decode()
+        [shown] = re.findall(r'name="expires_at" value="([^"]*)"', page)
+        before = ApiKey.objects.get(pk=key.pk).expires_at
+        reply = client.post(url, {"name": "renamed", "expires_at": shown})
+        assert reply.status_code == 302, reply.context["form"].errors
+        after = ApiKey.objects.get(pk=key.pk)
+        assert after.name == "renamed" and abs(after.expires_at - before) < timedelta(seconds=1)
+    assert [event.detail for event in AuditEvent.objects.order_by("created")] == [
+        {"name": ["live", "renamed"]}, {"name": ["dead", "renamed"]}]
+    assert not ApiKey.objects.get(pk=dead.pk).is_usable
