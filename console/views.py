@@ -4,6 +4,8 @@ through the member's tenant only (another tenant's id is a 404)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from typing import Any
 
 from django.conf import settings
@@ -11,18 +13,21 @@ from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.forms import PasswordResetForm
+from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
 from django.views.decorators.http import require_http_methods
 
-from accounts.audit import record
-from accounts.models import ApiKey, AuditEvent
+from accounts.audit import client_address, record
+from accounts.models import ApiKey, AuditEvent, Membership
 from console.access import context, member_view, membership_of
 from console.forms import KeyForm, RequestFilterForm, RotateForm, audit_value
 from inference.models import InferenceRequest
+
+log = logging.getLogger(__name__)
 
 
 def _page(request: HttpRequest, rows: Any) -> Any:
@@ -161,7 +166,8 @@ def request_detail(request: HttpRequest, pk: Any) -> HttpResponse:
 
 @member_view("audit")
 def audit(request: HttpRequest) -> HttpResponse:
-    rows = AuditEvent.objects.filter(tenant=request.membership.tenant).order_by("-created")
+    rows = AuditEvent.objects.filter(tenant=request.membership.tenant).select_related(
+        "actor").order_by("-created")
     return render(request, "console/audit.html", context(request, page=_page(request, rows)))
 
 
@@ -198,16 +204,47 @@ class PasswordChangeDoneView(ConsolePage, auth_views.PasswordChangeDoneView):
 
 
 class ResetForm(PasswordResetForm):
-    """Django's reset form; an invited member who has not set a password yet (an expired
-    invite) gets a link too."""
+    """Django's reset form for tenant members only (an operator's account is the admin's
+    business: no console mail resets it); an invited member who has not set a password yet
+    (an expired invite) gets a link too."""
 
     def get_users(self, email: str) -> Any:
         for user in super().get_users(email):
-            yield user
+            if _is_member(user):
+                yield user
         for user in get_user_model().objects.filter(
-                email__iexact=email, is_active=True, membership__isnull=False):
+                email__iexact=email, is_active=True, membership__isnull=False, is_staff=False):
             if not user.has_usable_password():
                 yield user
+
+
+def _is_member(user: Any) -> bool:
+    return not user.is_staff and not user.is_superuser and \
+        Membership.objects.filter(user=user).exists()
+
+
+# Reset mails: at most this many an hour per address asked for and per client address (in
+# this process: Django's cache). Over it the page answers as always and sends nothing.
+RESETS_PER_EMAIL_HOUR = 3
+RESETS_PER_CLIENT_HOUR = 20
+
+
+def _reset_allowed(request: HttpRequest, email: str) -> bool:
+    """Count a reset asked for ``email`` from the request's address; False when either is
+    over its hourly allowance."""
+    digest = hashlib.sha256(email.strip().lower().encode()).hexdigest()
+    allowed = True
+    for key, limit in ((f"console:reset:email:{digest}", RESETS_PER_EMAIL_HOUR),
+                       (f"console:reset:client:{client_address(request)}",
+                        RESETS_PER_CLIENT_HOUR)):
+        cache.add(key, 0, 3600)
+        try:
+            count = cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.set(key, 1, 3600)
+            count = 1
+        allowed = allowed and count <= limit
+    return allowed
 
 
 class PasswordResetView(ConsolePage, auth_views.PasswordResetView):
@@ -216,6 +253,13 @@ class PasswordResetView(ConsolePage, auth_views.PasswordResetView):
     email_template_name = "console/email/reset_body.txt"
     subject_template_name = "console/email/reset_subject.txt"
     success_url = reverse_lazy("console:password_reset_done")
+
+    def form_valid(self, form: ResetForm) -> HttpResponse:
+        if _reset_allowed(self.request, form.cleaned_data["email"]):
+            return super().form_valid(form)
+        log.warning("console password reset over its hourly allowance (client %s)",
+                    client_address(self.request))
+        return HttpResponseRedirect(self.get_success_url())  # the same answer, no mail
 
 
 class PasswordResetDoneView(ConsolePage, auth_views.PasswordResetDoneView):

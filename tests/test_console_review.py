@@ -7,9 +7,13 @@ import re
 from datetime import timedelta
 
 import pytest
+from django.core import mail
+from django.core.cache import cache
+from django.test import Client, RequestFactory
 from django.utils import timezone
 
 from accounts.models import ApiKey, AuditEvent
+from console import views
 from tests import test_console as base
 from tests.test_console import client_of, new_key
 
@@ -83,3 +87,45 @@ def test_renaming_a_key_keeps_its_expiry_to_the_second(console):
     assert [event.detail for event in AuditEvent.objects.order_by("created")] == [
         {"name": ["live", "renamed"]}, {"name": ["dead", "renamed"]}]
     assert not ApiKey.objects.get(pk=dead.pk).is_usable
+
+
+# -- the lead's review: what a tenant learns of the operator, reset mails ------------------
+
+
+def test_an_operator_is_named_as_such_in_a_tenants_audit_log_without_address(console):
+    """A tenant sees "the operator" for a staff member's change, never the operator's user
+    name or address; a member's own change shows the member and the address."""
+    from accounts import audit
+
+    console.staff.username = "ops-jane"
+    console.staff.save()
+    request = RequestFactory().post("/admin/", REMOTE_ADDR="10.9.8.7")
+    request.user = console.staff
+    audit.record(AuditEvent.Action.TENANT_LIMITS, tenant=console.alpha, request=request,
+                 target="alpha", detail={"tokens_per_minute": [1, 2]})
+    mine = RequestFactory().post("/console/", REMOTE_ADDR="10.1.1.1")
+    mine.user = console.member
+    audit.record(AuditEvent.Action.KEY_UPDATE, tenant=console.alpha, request=mine,
+                 target="k", detail={"name": ["a", "b"]})
+    page = client_of(console.viewer).get("/console/audit/").content.decode()
+    assert "ops-jane" not in page and "10.9.8.7" not in page
+    assert "the operator" in page
+    assert "member" in page and "10.1.1.1" in page
+
+
+def test_a_staff_account_gets_no_console_reset_mail(console):
+    cache.clear()
+    console.staff.email = "ops@example.com"
+    console.staff.save()
+    reply = Client().post("/console/password/reset/", {"email": "ops@example.com"})
+    assert reply.status_code == 302
+    assert mail.outbox == []
+
+
+def test_reset_mails_to_one_address_are_limited_per_hour(console):
+    cache.clear()
+    for _ in range(6):
+        reply = Client().post("/console/password/reset/", {"email": "member@example.com"})
+        assert reply.status_code == 302  # the same answer whether sent or not
+    assert len(mail.outbox) == views.RESETS_PER_EMAIL_HOUR
+    cache.clear()
