@@ -28,8 +28,8 @@ from inference.models import Adapter, InferenceRequest
 # What a key's edit form changes; the audit event names each that changed.
 KEY_FIELDS = ["name", "expires_at", "allowed_models", "read_only", "requests_per_minute",
               "tokens_per_minute", "monthly_token_budget"]
-OVERLAPS = [(0, "none: the old key stops now"), (3600, "1 hour"), (86400, "24 hours"),
-            (7 * 86400, "7 days")]
+OVERLAPS = [(0, "none: the old key stops now"), (300, "5 minutes"), (3600, "1 hour"),
+            (86400, "24 hours"), (7 * 86400, "7 days")]
 DATETIME_FORMAT = "%Y-%m-%dT%H:%M"
 # A key's expiry to the second: a form posted back unchanged leaves it as it is (to the
 # minute, a rename moved it, and an expired key's was "in the past").

@@ -698,13 +698,17 @@ def cmd_test_fast(args: argparse.Namespace) -> int:
         return code or 0
 
 
+# the tests that take the screenshots in docs/screenshots/
+BROWSER_TESTS = ["tests/test_browser.py", "tests/test_console_browser.py"]
+
+
 def cmd_screenshots(args: argparse.Namespace) -> int:
     """The browser tests, saving their screenshots in docs/screenshots/ (tests alone write
     them to a temporary directory)."""
     with test_services() as env:
         env = {**env, "DATABASE_URL": SQLITE_URL, "SCREENSHOT_DIR": str(SCREENSHOTS)}
         _, code, _ = pytest_run("SQLite", "the browser tests", env,
-                                ["tests/test_browser.py", *args.pytest_args])
+                                [*BROWSER_TESTS, *args.pytest_args])
         if code == 0:
             say(f"Screenshots refreshed in {SCREENSHOTS.relative_to(ROOT)}/ (commit them).")
         return code or 0
