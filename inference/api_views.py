@@ -225,7 +225,8 @@ class RequestEventsView(APIView):
             "1", "true", "yes")
         formatter = Formatter(row.kind, str(pk), row.model, int(row.created.timestamp()),
                               include_usage)
-        return _sse_response(formatter, await service.resume(api_key, row, after))
+        return _sse_response(formatter, await service.resume(api_key, row, after),
+                             cancels=not api_key.read_only)  # a read-only key only reads
 
 
 def json_body(request: Request) -> Any:
@@ -240,23 +241,24 @@ def json_body(request: Request) -> Any:
     return load_json(raw)
 
 
-def _sse_response(formatter: Formatter,
-                  events: AsyncIterator[StreamEvent | None]) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(_sse(formatter, events), content_type=SSE_MEDIA_TYPE)
+def _sse_response(formatter: Formatter, events: AsyncIterator[StreamEvent | None],
+                  cancels: bool = True) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(_sse(formatter, events, cancels),
+                                     content_type=SSE_MEDIA_TYPE)
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     response["X-Request-Id"] = formatter.request_id
     return response
 
 
-async def _sse(formatter: Formatter,
-               events: AsyncIterator[StreamEvent | None]) -> AsyncIterator[bytes]:
+async def _sse(formatter: Formatter, events: AsyncIterator[StreamEvent | None],
+               cancels: bool = True) -> AsyncIterator[bytes]:
     """SSE frames, one write per event (its chunks, and ``[DONE]`` after the last, go out
     together); a client that goes away mid-stream has its request cancelled unless it
     resumes within the grace (service.streamed)."""
     ended = False
     async with aclosing(service.streamed(formatter.request_id, events, OPEN_FRAME,
-                                         KEEPALIVE_FRAME)) as stream:
+                                         KEEPALIVE_FRAME, cancels)) as stream:
         async for event in stream:
             if isinstance(event, bytes):
                 yield event

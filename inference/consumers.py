@@ -35,7 +35,15 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.models import ApiKey
 from inference import broker, db, health, service
-from inference.auth import BAD_KEY, INVALID_API_KEY, NO_KEY, AuthThrottled, key_for
+from inference.auth import (
+    BAD_KEY,
+    INVALID_API_KEY,
+    KEY_READ_ONLY,
+    NO_KEY,
+    READ_ONLY,
+    AuthThrottled,
+    key_for,
+)
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid
 from inference.openai_format import chat_logprob
@@ -134,7 +142,13 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
                 await self._send_error(bad.client_id, bad.error)
 
     async def disconnect(self, code: int | None) -> None:
-        await self._stop_requests(cancel=code in DELIBERATE_CLOSE_CODES)
+        await self._stop_requests(cancel=code in DELIBERATE_CLOSE_CODES and self._may_cancel())
+
+    def _may_cancel(self) -> bool:
+        """Whether the socket's key may cancel: a read-only key's requests are resumes of
+        others' (it runs none), which it reads and never ends: its ``cancel`` is refused
+        and its socket's close leaves them running."""
+        return self.api_key is None or not self.api_key.read_only
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -210,7 +224,7 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
             return
         self.shutting = True  # no new request starts from here on
         try:
-            await self._stop_requests()
+            await self._stop_requests(cancel=self._may_cancel())
             if error is not None:
                 await self._send_error(None, error)
         finally:
@@ -317,7 +331,8 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
         """``session_id``: a session's turn (its accepted and last messages name it);
         ``model``: the model its accepted message names, as the client named it (an
         adapter's ``<base>:<adapter>``)."""
-        async with service.CancelIfAbandoned(request_id) as guard, aclosing(events) as stream:
+        async with service.CancelIfAbandoned(request_id, cancels=self._may_cancel()) as guard, \
+                aclosing(events) as stream:
             async for event in stream:
                 if event is not None:
                     if event.is_terminal:  # before it goes out: closing now cancels nothing
@@ -335,7 +350,9 @@ class StreamConsumer(AsyncJsonWebsocketConsumer):
 
     async def _cancel(self, client_id: Any) -> None:
         run = self.running.get(client_id)
-        if run is None:
+        if not self._may_cancel():
+            await self._send_error(client_id, ApiError(KEY_READ_ONLY, READ_ONLY), status=403)
+        elif run is None:
             await self._send_error(client_id, ApiError(
                 "not_found", f"No request {client_id!r} is running on this socket."))
         elif run.request_id is None:

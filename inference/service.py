@@ -749,12 +749,14 @@ class CancelIfAbandoned:
     cancelled, e.g. on a client's disconnect, or the generator is closed early): by the
     daemon, RESUME_GRACE_S later, unless a reader comes back by then (a resume). ``at_once``
     (or RESUME_GRACE_S 0): the cancel is published as the reader leaves (a request whose
-    client cannot have learnt its id yet)."""
+    client cannot have learnt its id yet). ``cancels`` False: the reader never cancels (a
+    read-only key's: it reads others' requests and ends none)."""
 
     def __init__(self, request_id: str, at_once: bool = False,
-                 watch_written: bool = False) -> None:
+                 watch_written: bool = False, cancels: bool = True) -> None:
         self.request_id = request_id
         self.at_once = at_once
+        self.cancels = cancels
         self.ended = False  # set by a reader that has seen the terminal event: no cancel
         self._watching = watch.Watching(request_id, written=watch_written)
 
@@ -765,24 +767,25 @@ class CancelIfAbandoned:
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self._watching.__aexit__(kind, exc, tb)
-        if self.ended or (watch.enabled() and not self.at_once):
+        if self.ended or not self.cancels or (watch.enabled() and not self.at_once):
             return  # past the grace, the daemon cancels it (scheduler_daemon/service/watch.py)
         if kind is not None and issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
             await cancel_quietly(self.request_id)
 
 
 async def streamed(request_id: str, events: AsyncIterator[StreamEvent | None], opening: bytes,
-                   keepalive: bytes) -> AsyncIterator[StreamEvent | bytes]:
+                   keepalive: bytes, cancels: bool = True) -> AsyncIterator[StreamEvent | bytes]:
     """A streamed response's events, for its SSE writer: ``opening`` first (the server sends
     the headers with the first body bytes), ``keepalive`` after SSE_KEEPALIVE_S without an
     event (an idle tick is one empty read, BLOCK_MS), and each event as it comes, all under
     ``CancelIfAbandoned``: a client that goes away mid-stream leaves its request to be
-    resumed within the grace. The writer iterates it under ``aclosing``."""
+    resumed within the grace (``cancels`` False: never cancelled by this reader, a
+    read-only key's). The writer iterates it under ``aclosing``."""
     every = max(1, round(settings.SSE_KEEPALIVE_S * 1000 / BLOCK_MS))
     idle = 0
     # the events are closed last: a task cancelled while the guard enters gives back their
     # reader place (ReaderEvents) at once, not when they are collected
-    async with aclosing(events) as stream, CancelIfAbandoned(request_id):
+    async with aclosing(events) as stream, CancelIfAbandoned(request_id, cancels=cancels):
         yield opening
         async for event in stream:
             if event is None:

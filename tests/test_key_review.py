@@ -1,0 +1,118 @@
+"""A hostile review of what a key may do (issue 38): each test here failed before its fix.
+
+- A read-only key reads a request's events on the websocket (a resume) but changes nothing:
+  its ``cancel`` is refused 403 ``key_read_only`` and closing its socket cancels nothing
+  (before: a resume, then a cancel or a normal close, cancelled another key's request); nor
+  does its reader's going away with ``RESUME_GRACE_S`` 0, on the socket or SSE.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from accounts.models import ApiKey
+from config.asgi import application
+from tests.live_service import StandIn, wait_until
+from wire import protocol
+
+PATH = "/ws/v1/stream"
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+def socket_for(key: str) -> WebsocketCommunicator:
+    return WebsocketCommunicator(application, PATH,
+                                 headers=[(b"authorization", f"Bearer {key}".encode())])
+
+
+def hold_until_cancelled(daemon: StandIn, job: protocol.Job, release: threading.Event) -> None:
+    daemon.accept(job)
+    daemon.emit(job.id, protocol.TOKEN, {"text": "x", "n_tokens": 1})
+    wait_until(lambda: daemon.is_cancelled(job.id) or release.is_set(), timeout_s=20)
+    daemon.finish(job, reason="cancelled" if daemon.is_cancelled(job.id) else "stop")
+
+
+# -- a read-only key on the websocket ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["cancel", "close", "drop without a grace"])
+async def test_a_read_only_keys_resume_on_the_socket_cancels_nothing(parties, standin, settings,
+                                                                      how):
+    if how == "drop without a grace":  # a reader that goes away cancels at once
+        settings.RESUME_GRACE_S = 0
+    reader, raw_reader = await asyncio.to_thread(ApiKey.issue, parties.a, "reader")
+    reader.read_only = True
+    await asyncio.to_thread(reader.save)
+    release = threading.Event()
+    standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
+    owner = socket_for(parties.owner)
+    await owner.connect()
+    await owner.send_json_to({"type": "chat.completions", "id": 1, "model": standin.model,
+                              "messages": HELLO})
+    request_id = (await owner.receive_json_from(timeout=10))["request_id"]
+    ws = socket_for(raw_reader)
+    try:
+        assert (await ws.connect())[0]
+        await ws.send_json_to({"type": "resume", "id": "r", "request_id": request_id})
+        resumed = await ws.receive_json_from(timeout=10)  # it reads: its events come
+        assert resumed["type"] == "accepted" and resumed["request_id"] == request_id
+        assert (await ws.receive_json_from(timeout=10))["type"] == "token"
+        if how == "cancel":
+            await ws.send_json_to({"type": "cancel", "id": "r"})
+            refused = await ws.receive_json_from(timeout=10)
+            assert refused["type"] == "error" and refused["status"] == 403
+            assert refused["error"]["code"] == "key_read_only"
+        # a normal close cancels a key's own requests; a dropped one without a grace too
+        await ws.disconnect(code=1006 if how == "drop without a grace" else 1000)
+        await asyncio.sleep(0.5)  # a cancel would be published by now (before the close)
+        assert not standin.is_cancelled(request_id)
+    finally:
+        release.set()
+        await owner.disconnect()
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_a_read_only_keys_sse_resume_cancels_nothing_when_it_goes(parties, standin,
+                                                                        settings):
+    """GET /v1/requests/<id>/events with a read-only key, the reader gone (its response
+    closed) with no grace: the request runs on (another key's reader goes: cancelled)."""
+    from django.test import AsyncClient
+
+    settings.RESUME_GRACE_S = 0
+    reader, raw_reader = await asyncio.to_thread(ApiKey.issue, parties.a, "reader")
+    reader.read_only = True
+    await asyncio.to_thread(reader.save)
+    release = threading.Event()
+    standin.serve(lambda d, j: hold_until_cancelled(d, j, release), jobs=2)
+    owner = socket_for(parties.owner)
+    await owner.connect()
+    try:
+        for key, cancelled in ((raw_reader, False), (parties.member, True)):
+            await owner.send_json_to({"type": "chat.completions", "id": key,
+                                      "model": standin.model, "messages": HELLO})
+            request_id = (await owner.receive_json_from(timeout=10))["request_id"]
+            response = await AsyncClient().get(f"/v1/requests/{request_id}/events",
+                                               headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200
+            got = asyncio.Queue()
+
+            async def read(content=response.streaming_content, got=got) -> None:
+                async for frame in content:
+                    await got.put(frame)
+
+            reading = asyncio.create_task(read())
+            while b"data:" not in await asyncio.wait_for(got.get(), 10):
+                pass
+            reading.cancel()  # the client went away (ASGI cancels the response's task)
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            await asyncio.sleep(0.3)
+            assert standin.is_cancelled(request_id) is cancelled, key
+    finally:
+        release.set()
+        await owner.disconnect()
