@@ -85,7 +85,8 @@ async def resolve(api_key: ApiKey, parsed: ParsedRequest) -> None:
     adapter the key's tenant does not have for that base model."""
     alias, lora = parsed.alias_name, parsed.lora_name
     if alias is not None and await _is_base_name(parsed.model_sent):
-        parsed.model, alias = parsed.model_sent, None  # a model whose name holds ':'
+        # a model whose name holds ':': no adapter (nor one in its shown name)
+        parsed.model, parsed.alias_name, alias = parsed.model_sent, None, None
     if alias is not None and lora is not None and lora != alias:
         raise invalid("lora", f"lora names the adapter {lora!r} but model names {alias!r}; "
                               "name one adapter (or send the base model's name).")

@@ -102,6 +102,7 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
     check_scope(api_key, parsed)
     try:
         await adapters.resolve(api_key, parsed)
+        check_scope(api_key, parsed)  # resolved: a served base whose name holds ':'
         served = await broker.is_served(parsed.model, LIVE_MODELS_MAX_AGE_S)
     except redis.RedisError as exc:
         raise _redis_unavailable(exc) from exc
@@ -121,17 +122,39 @@ async def enqueue(api_key: ApiKey, parsed: ParsedRequest) -> Queued:
 
 def check_scope(api_key: ApiKey, parsed: ParsedRequest) -> None:
     """What the key may run: a read-only key nothing (403 ``key_read_only``); a key with an
-    allow-list (``ApiKey.allows_model``) only its models, the model named as the client
-    named it, ``<model>:<adapter>`` for an adapter (403 ``model_not_allowed``, whether or
-    not the model exists: a key learns nothing of models it may not use). Every request
-    that runs passes here (``enqueue``); the entry points that may answer with a replay
-    (an Idempotency-Key's) call it first too."""
+    allow-list only its models (``model_allowed``: the base model, or ``<model>:<adapter>``
+    for an adapter; 403 ``model_not_allowed``, whether or not the model exists: a key
+    learns nothing of models it may not use). Every request that runs passes here
+    (``enqueue``: before its adapter is resolved, and after, when a name holding ':' is
+    known to be a served base model's or an adapter's); the entry points that may answer
+    with a replay (an Idempotency-Key's) call it first too."""
     if api_key.read_only:
         raise ApiError(KEY_READ_ONLY, READ_ONLY)
-    name = parsed.shown_model
-    if not api_key.allows_model(name):
+    base, adapter = _base_and_adapter(parsed)
+    if not model_allowed(api_key, base, adapter):
+        name = f"{base}:{adapter}" if adapter else base
         raise ApiError(MODEL_NOT_ALLOWED, f"This API key may not use the model {name!r}; "
                        "GET /v1/models lists the models it may use.", "model")
+
+
+def model_allowed(api_key: ApiKey, base: str, adapter: str | None = None) -> bool:
+    """Whether the key may use ``base`` (an adapter of it: ``adapter``): an empty allow-list
+    allows every model; a base listed allows its adapters; an adapter may be listed alone
+    (``<base>:<adapter>``). A base whose own name holds ':' (``<name>:<tag>``) is no
+    adapter of ``<name>``: it is allowed by its own name only."""
+    allowed = api_key.allowed_models or []
+    return not allowed or base in allowed or (
+        adapter is not None and f"{base}:{adapter}" in allowed)
+
+
+def _base_and_adapter(parsed: ParsedRequest) -> tuple[str, str | None]:
+    """The base model and adapter a request names: as resolved (``adapters.resolve``), else
+    as read: ``<base>:<adapter>`` unless the whole name is a configured model's."""
+    if parsed.adapter_name is not None or parsed.alias_name is None:
+        return parsed.model, parsed.adapter_name or parsed.lora_name
+    if parsed.model_sent in settings.MODELS:
+        return parsed.model_sent, parsed.lora_name
+    return parsed.model, parsed.alias_name
 
 
 async def _enqueue(api_key: ApiKey, parsed: ParsedRequest, request_id: str,

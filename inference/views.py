@@ -22,8 +22,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.models import Tenant
-from inference import adapters, broker, db, limits
+from accounts.models import ApiKey, Tenant
+from inference import adapters, broker, db, limits, service
 from inference.auth import ApiKeyAuthentication
 from inference.errors import model_not_found
 from inference.health import health_report, model_list, public_health
@@ -75,10 +75,19 @@ def _is_staff_session(session_key: str) -> bool:
 
 def _key_models(request: Request) -> list[dict]:
     """The models live daemons serve, then the key's tenant's adapters of them: those the
-    key may use (``ApiKey.allows_model``: its allow-list, when it has one)."""
+    key may use (``service.model_allowed``: its allow-list, when it has one)."""
     served = model_list()
     found = served + adapters.model_entries(request.auth.tenant_id, served)
-    return [m for m in found if request.auth.allows_model(m["id"])]
+    return [m for m in found if _allowed(request.auth, m)]
+
+
+def _allowed(api_key: ApiKey, entry: dict) -> bool:
+    """``service.model_allowed`` for a ``/v1/models`` entry (an adapter's names its
+    ``parent``)."""
+    parent = entry.get("parent")
+    if parent is None:
+        return service.model_allowed(api_key, entry["id"])
+    return service.model_allowed(api_key, parent, entry["id"][len(parent) + 1:])
 
 
 class ModelListView(APIView):

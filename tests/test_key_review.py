@@ -4,18 +4,25 @@
   its ``cancel`` is refused 403 ``key_read_only`` and closing its socket cancels nothing
   (before: a resume, then a cancel or a normal close, cancelled another key's request); nor
   does its reader's going away with ``RESUME_GRACE_S`` 0, on the socket or SSE.
+- A model whose own name holds ':' (``<name>:<tag>``, served as a base: inference/adapters.py)
+  is not an adapter of ``<name>``: a key allowed ``<name>`` may not run it, nor see it in
+  /v1/models (before: the allow-list read it as ``<name>``'s adapter and let it run).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import uuid
 
 import pytest
 from channels.testing import WebsocketCommunicator
 
 from accounts.models import ApiKey
 from config.asgi import application
-from tests.live_service import StandIn, wait_until
+from tests.conftest import bearer
+from tests.live_service import StandIn, echo, wait_until
+from tests.test_adapters_api import env, rows  # noqa: F401 (fixtures)
 from wire import protocol
 
 PATH = "/ws/v1/stream"
@@ -116,3 +123,61 @@ async def test_a_read_only_keys_sse_resume_cancels_nothing_when_it_goes(parties,
     finally:
         release.set()
         await owner.disconnect()
+
+
+# -- the allow-list and model names holding ':' --------------------------------------------------
+
+
+def scoped(tenant, allowed: list[str]) -> str:
+    api_key, raw = ApiKey.issue(tenant, "scoped")
+    api_key.allowed_models = allowed
+    api_key.save()
+    return raw
+
+
+def chat_with(api, key: str, model: str, **extra):
+    return api.generic("POST", "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": HELLO, "max_tokens": 2, **extra}),
+        content_type="application/json", **bearer(key))
+
+
+@pytest.mark.django_db
+def test_a_base_model_named_with_a_colon_is_not_an_adapter_of_the_allowed_model(api, parties,
+                                                                              settings):
+    name = f"standin-{uuid.uuid4().hex[:8]}"
+    big = StandIn(model=f"{name}:big").start()  # a base model of its own, "<name>:big"
+    try:
+        big.serve(echo, jobs=2)
+        key = scoped(parties.a, [name])
+        refused = chat_with(api, key, big.model)
+        assert refused.status_code == 403, refused.content
+        assert refused.json()["error"]["code"] == "model_not_allowed"
+        listed = api.get("/v1/models", **bearer(key)).json()["data"]
+        assert big.model not in {m["id"] for m in listed}
+        assert api.get(f"/v1/models/{big.model}", **bearer(key)).status_code == 404
+        # listed by its own name it runs, and its reply names it once
+        reply = chat_with(api, scoped(parties.a, [big.model]), big.model)
+        assert reply.status_code == 200, reply.content
+        assert reply.json()["model"] == big.model
+    finally:
+        big.stop()
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("rows")  # alpha's adapter "support" of the stand-in's model
+def test_an_allowed_base_allows_its_adapters_and_a_listed_adapter_only_itself(api, parties,
+                                                                            standin):
+    standin.serve(echo, jobs=3)
+    adapter = f"{standin.model}:support"
+    for allowed in ([standin.model], [adapter]):
+        key = scoped(parties.a, allowed)
+        reply = chat_with(api, key, adapter)
+        assert reply.status_code == 200, (allowed, reply.content)
+        assert reply.json()["model"] == adapter
+    only_adapter = scoped(parties.a, [adapter])
+    reply = chat_with(api, only_adapter, standin.model, lora={"name": "support"})
+    assert reply.status_code == 200, reply.content
+    refused = chat_with(api, only_adapter, standin.model)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+    listed = {m["id"] for m in api.get("/v1/models", **bearer(only_adapter)).json()["data"]}
+    assert listed == {adapter}
