@@ -7,6 +7,7 @@
 - A model whose own name holds ':' (``<name>:<tag>``, served as a base: inference/adapters.py)
   is not an adapter of ``<name>``: a key allowed ``<name>`` may not run it, nor see it in
   /v1/models (before: the allow-list read it as ``<name>``'s adapter and let it run).
+- Documented, not a bug: an SSE stream runs to its end past its key's expiry.
 """
 from __future__ import annotations
 
@@ -181,3 +182,37 @@ def test_an_allowed_base_allows_its_adapters_and_a_listed_adapter_only_itself(ap
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
     listed = {m["id"] for m in api.get("/v1/models", **bearer(only_adapter)).json()["data"]}
     assert listed == {adapter}
+
+
+# -- expiry mid-stream (documented, docs/api.md "What a key may do") -------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_an_sse_stream_runs_to_its_end_past_its_keys_expiry(parties, standin):
+    """The key is checked when a request comes in: its stream goes on to its end after the
+    key expires; a resume after the expiry is 401."""
+    from datetime import timedelta
+
+    from django.test import AsyncClient
+    from django.utils import timezone
+
+    api_key, raw = await asyncio.to_thread(ApiKey.issue, parties.a, "expiring")
+    release = threading.Event()
+    standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
+    response = await AsyncClient().post(
+        "/v1/chat/completions", {"model": standin.model, "messages": HELLO, "stream": True},
+        content_type="application/json", headers={"Authorization": f"Bearer {raw}"})
+    assert response.status_code == 200
+    frames = aiter(response.streaming_content)
+    while b'"x"' not in await asyncio.wait_for(anext(frames), 10):
+        pass
+    api_key.expires_at = timezone.now() - timedelta(seconds=1)
+    await asyncio.to_thread(api_key.save)
+    release.set()
+    rest = b"".join([frame async for frame in frames])
+    assert b'"stop"' in rest and rest.endswith(b"data: [DONE]\n\n")
+    request_id = response["X-Request-Id"]
+    resumed = await AsyncClient().get(f"/v1/requests/{request_id}/events",
+                                      headers={"Authorization": f"Bearer {raw}"})
+    assert resumed.status_code == 401
