@@ -148,7 +148,7 @@ def test_a_base_model_named_with_a_colon_is_not_an_adapter_of_the_allowed_model(
     name = f"standin-{uuid.uuid4().hex[:8]}"
     big = StandIn(model=f"{name}:big").start()  # a base model of its own, "<name>:big"
     try:
-        big.serve(echo, jobs=2)
+        big.serve(echo)  # the one request it may run
         key = scoped(parties.a, [name])
         refused = chat_with(api, key, big.model)
         assert refused.status_code == 403, refused.content
