@@ -102,7 +102,8 @@ class ApiKey(models.Model):
     # After ``expires_at`` the key no longer authenticates (a rotated key's overlap ends so).
     expires_at = models.DateTimeField(
         null=True, blank=True, help_text="after this the key no longer works; blank: never")
-    # What the key may do, within its tenant's (docs/console.md):
+    # What the key may do, within its tenant's (docs/console.md; the allow-list is read by
+    # inference/service.py model_allowed):
     allowed_models = models.JSONField(
         default=list, blank=True,
         help_text='model names (or "<model>:<adapter>") the key may use; empty: every model')
@@ -177,14 +178,6 @@ class ApiKey(models.Model):
     @property
     def is_usable(self) -> bool:
         return self.revoked_at is None and not self.is_expired and self.tenant.is_active
-
-    def allows_model(self, name: str) -> bool:
-        """Whether the key may use ``name`` (a model, or ``<model>:<adapter>``): an empty
-        allow-list allows every model; a base model listed allows its adapters too."""
-        allowed = self.allowed_models or []
-        if not allowed:
-            return True
-        return name in allowed or name.partition(":")[0] in allowed
 
     def revoke(self) -> None:
         self.revoked_at = timezone.now()
