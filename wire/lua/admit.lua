@@ -184,15 +184,7 @@ if keyed then
   key_rpm_key, key_tpm_key, key_month_key, key_reservations, key_of =
     KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5]
   -- a key's reservation (and a request's key) lives while its request's slot does
-  local key_reserved = 0
-  local held = redis.call('HGETALL', key_reservations)
-  for i = 1, #held, 2 do
-    if redis.call('ZSCORE', inflight, held[i]) then
-      key_reserved = key_reserved + tonumber(held[i + 1])
-    else
-      redis.call('HDEL', key_reservations, held[i])
-    end
-  end
+  local key_reserved = live_reserved(key_reservations)
   local keys_of = redis.call('HKEYS', key_of)
   for i = 1, #keys_of do
     if not redis.call('ZSCORE', inflight, keys_of[i]) then
