@@ -48,6 +48,19 @@ class Control:
         self.lifecycle = ctx.lifecycle
         self.on_change = on_change
         self.on_evict_scope: Callable[[str], None] | None = None  # told the scope evicted
+        # Commands are read from where the stream ends now, before any thread starts: one
+        # sent once the daemon is up (its snapshot published) is never missed, as it was
+        # with "$" taken at the loop's first read; a former run's commands are not replayed.
+        self._commands_from = self._stream_end()
+
+    def _stream_end(self) -> str:
+        """The id of the control stream's last entry ("0-0": empty; "$" when Redis does not
+        answer: from the loop's first read on)."""
+        try:
+            newest = self.redis.xrevrange(protocol.control_stream(self.daemon_id), count=1)
+        except redis.RedisError:
+            return "$"
+        return as_text(newest[0][0]) if newest else "0-0"
 
     def cancel_loop(self) -> None:
         outage = Backoff("listening for cancels", log)
@@ -93,7 +106,7 @@ class Control:
         return pubsub
 
     def command_loop(self) -> None:
-        stream, last = protocol.control_stream(self.daemon_id), "$"
+        stream, last = protocol.control_stream(self.daemon_id), self._commands_from
         outage = Backoff("reading control commands", log)
         while self.lifecycle.running:
             try:
