@@ -393,7 +393,7 @@ async def test_a_websocket_resume_cancelled_before_its_first_read_gives_its_plac
     monkeypatch.setattr(service.limits, "take_resume_slot", take_resume_slot)
     monkeypatch.setattr(service.limits, "free_slot_quietly", free_slot_quietly)
     consumer = consumers.StreamConsumer()
-    consumer.api_key = SimpleNamespace(tenant_id=tenant, tenant=None)
+    consumer.api_key = SimpleNamespace(tenant_id=tenant, tenant=None, read_only=False)
     task = asyncio.create_task(consumer._resume(1, consumers._Running(),
                                                 {"request_id": request_id}))
     await asyncio.wait_for(guard_never_enters.wait(), GUARD_S)
