@@ -120,9 +120,11 @@ def get(opener, url: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 def test_the_overview_charts_a_real_run(web, sampled):
+    # names of their own: the web server (and its database) is shared with other modules
+    # (tests/test_browser.py logs in as its own 'ops')
     shell(web, "from django.contrib.auth.models import User; "
-               f"User.objects.create_superuser('ops', 'ops@example.com', {PASSWORD!r}); "
-               f"User.objects.create_user('someone', 'x@example.com', {PASSWORD!r})")
+               f"User.objects.create_superuser('overview-ops', 'ops@example.com', {PASSWORD!r}); "
+               f"User.objects.create_user('overview-someone', 'x@example.com', {PASSWORD!r})")
     tenant_id, key = make_tenant(web, requests_per_minute=4)
     slug = shell(web, "from accounts.models import Tenant; "
                       f"print(Tenant.objects.get(pk={tenant_id}).slug)")
@@ -145,11 +147,13 @@ def test_the_overview_charts_a_real_run(web, sampled):
         return view if done else None
 
     view = wait_until(charted, timeout_s=60, step_s=0.5)
-    assert max(v or 0 for v in view.running[sampled.model]) >= 1
-    assert sum(view.tokens["completion"]) == 4 * 24  # ignore_eos: each one its max_tokens
+    # a bucket's gauge is the mean of its samples: some bucket saw the requests running
+    assert max(v or 0 for v in view.running[sampled.model]) > 0
+    # ignore_eos: each one its max_tokens (other modules' daemons may have sampled too)
+    assert sum(view.tokens["completion"]) >= 4 * 24
     assert dict(view.top_tenants)[str(tenant_id)] >= sum(view.tokens["completion"]) // 2
 
-    status, html, _ = get(opener_for(web, "ops"), f"{web.base_url}{URL}?range=1h")
+    status, html, _ = get(opener_for(web, "overview-ops"), f"{web.base_url}{URL}?range=1h")
     assert status == 200
     for title, kind in (("Tokens per second", "line chart of 2 series"),
                         ("Time to first token", "line chart of 3 series"),
@@ -159,6 +163,6 @@ def test_the_overview_charts_a_real_run(web, sampled):
         assert chart(html, title).startswith(kind), title
     assert f"{sampled.model} running" in html and "rpm_exceeded" in html and slug in html
 
-    for who in (None, "someone"):  # not logged in, or no staff: the admin's login
+    for who in (None, "overview-someone"):  # not logged in, or no staff: the admin's login
         status, _html, location = get(opener_for(web, who), f"{web.base_url}{URL}")
         assert status == 302 and location.startswith("/admin/login/")
