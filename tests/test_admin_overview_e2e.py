@@ -118,6 +118,9 @@ def get(opener, url: str) -> tuple[int, str, str]:
         return error.code, error.read().decode(), error.headers.get("Location", "")
 
 
+MAX_TOKENS = 160
+
+
 @pytest.mark.slow
 def test_the_overview_charts_a_real_run(web, sampled):
     # names of their own: the web server (and its database) is shared with other modules
@@ -128,7 +131,8 @@ def test_the_overview_charts_a_real_run(web, sampled):
     tenant_id, key = make_tenant(web, requests_per_minute=4)
     slug = shell(web, "from accounts.models import Tenant; "
                       f"print(Tenant.objects.get(pk={tenant_id}).slug)")
-    body = {"model": sampled.model, "prompt": "Once upon a time", "max_tokens": 24,
+    # long enough that the samples (one a second, from the heartbeat's snapshot) see them run
+    body = {"model": sampled.model, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
 
     def complete(_: int) -> int:
@@ -150,7 +154,7 @@ def test_the_overview_charts_a_real_run(web, sampled):
     # a bucket's gauge is the mean of its samples: some bucket saw the requests running
     assert max(v or 0 for v in view.running[sampled.model]) > 0
     # ignore_eos: each one its max_tokens (other modules' daemons may have sampled too)
-    assert sum(view.tokens["completion"]) >= 4 * 24
+    assert sum(view.tokens["completion"]) >= 4 * MAX_TOKENS
     assert dict(view.top_tenants)[str(tenant_id)] >= sum(view.tokens["completion"]) // 2
 
     status, html, _ = get(opener_for(web, "overview-ops"), f"{web.base_url}{URL}?range=1h")
