@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.db import connections
 
 from accounts.models import ApiKey
 from config.asgi import application
@@ -42,6 +43,20 @@ def hold_until_cancelled(daemon: StandIn, job: protocol.Job, release: threading.
     daemon.finish(job, reason="cancelled" if daemon.is_cancelled(job.id) else "stop")
 
 
+async def orm(fn, *args):
+    """``fn(*args)`` on a worker thread, that thread's connection closed after: a pooled
+    PostgreSQL connection kept by a worker thread is never given back, and a few such
+    threads drain the pool (every later database call then waits 30 s: the whole
+    PostgreSQL run failed so)."""
+    def unit():
+        try:
+            return fn(*args)
+        finally:
+            connections.close_all()
+
+    return await asyncio.to_thread(unit)
+
+
 # -- a read-only key on the websocket ------------------------------------------------------------
 
 
@@ -52,9 +67,9 @@ async def test_a_read_only_keys_resume_on_the_socket_cancels_nothing(parties, st
                                                                       how):
     if how == "drop without a grace":  # a reader that goes away cancels at once
         settings.RESUME_GRACE_S = 0
-    reader, raw_reader = await asyncio.to_thread(ApiKey.issue, parties.a, "reader")
+    reader, raw_reader = await orm(ApiKey.issue, parties.a, "reader")
     reader.read_only = True
-    await asyncio.to_thread(reader.save)
+    await orm(reader.save)
     release = threading.Event()
     standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
     owner = socket_for(parties.owner)
@@ -92,9 +107,9 @@ async def test_a_read_only_keys_sse_resume_cancels_nothing_when_it_goes(parties,
     from django.test import AsyncClient
 
     settings.RESUME_GRACE_S = 0
-    reader, raw_reader = await asyncio.to_thread(ApiKey.issue, parties.a, "reader")
+    reader, raw_reader = await orm(ApiKey.issue, parties.a, "reader")
     reader.read_only = True
-    await asyncio.to_thread(reader.save)
+    await orm(reader.save)
     release = threading.Event()
     standin.serve(lambda d, j: hold_until_cancelled(d, j, release), jobs=2)
     owner = socket_for(parties.owner)
@@ -197,7 +212,7 @@ async def test_an_sse_stream_runs_to_its_end_past_its_keys_expiry(parties, stand
     from django.test import AsyncClient
     from django.utils import timezone
 
-    api_key, raw = await asyncio.to_thread(ApiKey.issue, parties.a, "expiring")
+    api_key, raw = await orm(ApiKey.issue, parties.a, "expiring")
     release = threading.Event()
     standin.serve(lambda d, j: hold_until_cancelled(d, j, release))
     response = await AsyncClient().post(
@@ -208,7 +223,7 @@ async def test_an_sse_stream_runs_to_its_end_past_its_keys_expiry(parties, stand
     while b'"x"' not in await asyncio.wait_for(anext(frames), 10):
         pass
     api_key.expires_at = timezone.now() - timedelta(seconds=1)
-    await asyncio.to_thread(api_key.save)
+    await orm(api_key.save)
     release.set()
     rest = b"".join([frame async for frame in frames])
     assert b'"stop"' in rest and rest.endswith(b"data: [DONE]\n\n")
