@@ -155,7 +155,8 @@ def test_the_overview_charts_a_real_run(web, sampled):
     assert max(v or 0 for v in view.running[sampled.model]) > 0
     # ignore_eos: each one its max_tokens (other modules' daemons may have sampled too)
     assert sum(view.tokens["completion"]) >= 4 * MAX_TOKENS
-    assert dict(view.top_tenants)[str(tenant_id)] >= sum(view.tokens["completion"]) // 2
+    # among the top tenants with its tokens at least (others' daemons sample the same Redis)
+    assert dict(view.top_tenants)[str(tenant_id)] >= 4 * MAX_TOKENS
 
     status, html, _ = get(opener_for(web, "overview-ops"), f"{web.base_url}{URL}?range=1h")
     assert status == 200
