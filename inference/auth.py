@@ -54,7 +54,7 @@ from rest_framework.request import Request
 from accounts.authentication import ApiKeyUser, Found, find_key
 from accounts.models import ApiKey, Tenant, split_key
 from inference import db
-from wire.errors import AUTH_THROTTLED, CODES
+from wire.errors import AUTH_THROTTLED, KEY_READ_ONLY
 
 KEYWORD = "Bearer"
 NO_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
@@ -64,8 +64,6 @@ THROTTLED = ("Too many failed API key checks from your address; try again in {se
 READ_ONLY = ("This API key is read-only: it may read the request history, usage and models, "
              "not run or change anything.")
 INVALID_API_KEY = "invalid_api_key"  # the code of both refusals (wire.errors.CODES)
-KEY_READ_ONLY = CODES["key_read_only"].code  # a read-only key asked for more than a read
-MODEL_NOT_ALLOWED = CODES["model_not_allowed"].code  # a model off the key's allow-list
 API_KEY_HEADER = "X-Api-Key"  # the key-check view's other header (Anthropic's style)
 # How long a key read from the database is trusted; at most inference.limits.FRESH_KEY_S,
 # so that admission takes the tenant limits loaded with the key.

@@ -38,7 +38,6 @@ from inference import broker, db, health, service
 from inference.auth import (
     BAD_KEY,
     INVALID_API_KEY,
-    KEY_READ_ONLY,
     NO_KEY,
     READ_ONLY,
     AuthThrottled,
@@ -49,7 +48,7 @@ from inference.errors import ApiError, invalid
 from inference.openai_format import chat_logprob
 from inference.openai_request import CHAT, COMPLETION, parse_request
 from wire import protocol
-from wire.errors import AUTH_THROTTLED, INTERNAL_ERROR
+from wire.errors import AUTH_THROTTLED, INTERNAL_ERROR, KEY_READ_ONLY
 
 log = logging.getLogger(__name__)
 

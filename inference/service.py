@@ -24,13 +24,13 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, Tenant
 from inference import adapters, broker, db, history, limits, metrics, watch
-from inference.auth import KEY_READ_ONLY, MODEL_NOT_ALLOWED, READ_ONLY
+from inference.auth import READ_ONLY
 from inference.broker import StreamEvent
 from inference.errors import ApiError, invalid, model_not_found, unavailable
 from inference.models import InferenceRequest
 from inference.openai_request import ParsedRequest
 from wire import errors, ownership, protocol, sessions
-from wire.errors import SERVICE_UNAVAILABLE
+from wire.errors import KEY_READ_ONLY, MODEL_NOT_ALLOWED, SERVICE_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
